@@ -1,0 +1,18 @@
+// fanrun._core: the engine's Python face. One Bind* call per area.
+#include <nanobind/nanobind.h>
+
+#include "status_to_python.h"
+
+namespace nb = nanobind;
+
+namespace fanrun::bindings {
+void BindSupervisor(nb::module_& m);
+void BindAccelerators(nb::module_& m);
+}  // namespace fanrun::bindings
+
+NB_MODULE(_core, m) {
+  m.doc() = "fanrun's C++ engine: process supervision, log multiplexing, accelerator detection";
+  fanrun::bindings::BindErrors(m);
+  fanrun::bindings::BindSupervisor(m);
+  fanrun::bindings::BindAccelerators(m);
+}

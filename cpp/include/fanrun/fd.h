@@ -1,0 +1,52 @@
+// Owned file descriptors and pipes: move-only, close-on-exec from birth, closed once.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "fanrun/status.h"
+
+namespace fanrun {
+
+class FileDescriptor {
+ public:
+  FileDescriptor() = default;
+  explicit FileDescriptor(int fd) : fd_(fd) {}
+  FileDescriptor(FileDescriptor&& other) noexcept : fd_(other.Release()) {}
+  FileDescriptor& operator=(FileDescriptor&& other) noexcept;
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  ~FileDescriptor();
+
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  // Closing twice is a no-op; the second call returns OK.
+  Status Close();
+  // Gives up ownership without closing.
+  int Release();
+
+ private:
+  int fd_ = -1;
+};
+
+struct Pipe {
+  FileDescriptor read;
+  FileDescriptor write;
+};
+
+// Both ends close-on-exec.
+Result<Pipe> MakePipe();
+
+// Opens with O_CLOEXEC added to flags.
+Result<FileDescriptor> OpenFile(const std::string& path, int flags, int mode = 0600);
+
+// A close-on-exec duplicate numbered at least min_fd, so that a later dup2 onto
+// 0..min_fd-1 never overwrites one of its own sources.
+Result<FileDescriptor> DuplicateAbove(int fd, int min_fd);
+
+Status SetNonBlocking(int fd);
+
+// Retries on EINTR and short writes.
+Status WriteAll(int fd, const void* data, size_t size);
+
+}  // namespace fanrun

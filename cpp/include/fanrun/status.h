@@ -1,0 +1,135 @@
+// Status and Result<T>: errors as values inside the engine; nothing here throws.
+#pragma once
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace fanrun {
+
+enum class StatusCode {
+  kOk = 0,
+  kInvalid,       // the caller asked for something that cannot be done
+  kNotFound,      // a file or executable does not exist
+  kIOError,       // a system call failed
+  kInternal,      // an invariant of the engine did not hold
+};
+
+namespace internal {
+template <typename... Args>
+std::string StrCat(Args&&... args) {
+  std::ostringstream out;
+  (out << ... << std::forward<Args>(args));
+  return out.str();
+}
+}  // namespace internal
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+
+  static Status OK() { return Status(); }
+  template <typename... Args>
+  static Status Invalid(Args&&... args) {
+    return Status(StatusCode::kInvalid, internal::StrCat(std::forward<Args>(args)...));
+  }
+  template <typename... Args>
+  static Status NotFound(Args&&... args) {
+    return Status(StatusCode::kNotFound, internal::StrCat(std::forward<Args>(args)...));
+  }
+  template <typename... Args>
+  static Status Internal(Args&&... args) {
+    return Status(StatusCode::kInternal, internal::StrCat(std::forward<Args>(args)...));
+  }
+  // Call with the errno captured right where the failure happened.
+  template <typename... Args>
+  static Status IOErrorFromErrno(int errnum, Args&&... args) {
+    return Status(StatusCode::kIOError,
+                  internal::StrCat(std::forward<Args>(args)..., ": ", ErrnoMessage(errnum)));
+  }
+
+  bool ok() const { return code_ == StatusCode::kOk; }
+  StatusCode code() const { return code_; }
+  const std::string& message() const { return message_; }
+  std::string ToString() const;
+
+ private:
+  static std::string ErrnoMessage(int errnum);
+
+  StatusCode code_ = StatusCode::kOk;
+  std::string message_;
+};
+
+template <typename T>
+class [[nodiscard]] Result {
+ public:
+  Result(T value) : storage_(std::move(value)) {}  // NOLINT: implicit like Arrow's
+  Result(Status status) : storage_(std::move(status)) {  // NOLINT
+    if (std::get<Status>(storage_).ok()) {
+      storage_ = Status::Internal("Result constructed from an OK status without a value");
+    }
+  }
+
+  bool ok() const { return std::holds_alternative<T>(storage_); }
+  Status status() const { return ok() ? Status::OK() : std::get<Status>(storage_); }
+  T& ValueOrDie() &;
+  T&& ValueOrDie() &&;
+  T& operator*() & { return ValueOrDie(); }
+  T* operator->() { return &ValueOrDie(); }
+
+ private:
+  std::variant<Status, T> storage_;
+};
+
+// A broken invariant aborts: it is a bug in fanrun, not an error to report.
+#define FANRUN_CHECK(condition)                                                     \
+  do {                                                                              \
+    if (!(condition)) {                                                             \
+      std::fprintf(stderr, "fanrun: check failed at %s:%d: %s\n", __FILE__, __LINE__, \
+                   #condition);                                                     \
+      std::abort();                                                                 \
+    }                                                                               \
+  } while (false)
+
+template <typename T>
+T& Result<T>::ValueOrDie() & {
+  FANRUN_CHECK(ok());
+  return std::get<T>(storage_);
+}
+
+template <typename T>
+T&& Result<T>::ValueOrDie() && {
+  FANRUN_CHECK(ok());
+  return std::get<T>(std::move(storage_));
+}
+
+#define FANRUN_CONCAT_IMPL(a, b) a##b
+#define FANRUN_CONCAT(a, b) FANRUN_CONCAT_IMPL(a, b)
+
+#define FANRUN_RETURN_NOT_OK(expr)        \
+  do {                                    \
+    ::fanrun::Status _st = (expr);        \
+    if (!_st.ok()) return _st;            \
+  } while (false)
+
+#define FANRUN_ASSIGN_OR_RETURN_IMPL(tmp, lhs, rexpr) \
+  auto tmp = (rexpr);                                 \
+  if (!tmp.ok()) return tmp.status();                 \
+  lhs = std::move(tmp).ValueOrDie()
+
+#define FANRUN_ASSIGN_OR_RETURN(lhs, rexpr) \
+  FANRUN_ASSIGN_OR_RETURN_IMPL(FANRUN_CONCAT(_result_, __LINE__), lhs, rexpr)
+
+// Destructors never fail: they report and go on.
+#define FANRUN_WARN_NOT_OK(expr, what)                                                   \
+  do {                                                                                   \
+    ::fanrun::Status _st = (expr);                                                       \
+    if (!_st.ok()) std::fprintf(stderr, "fanrun: %s: %s\n", what, _st.message().c_str()); \
+  } while (false)
+
+}  // namespace fanrun

@@ -1,0 +1,129 @@
+// The supervisor of one run: spawns every rank, multiplexes their output, detects the
+// first failure, enforces the timeout and escalates SIGTERM to SIGKILL. It waits on
+// pipes and pidfds only; the caller pumps it with Wait() and gets batches of events.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fanrun/fd.h"
+#include "fanrun/line_splitter.h"
+#include "fanrun/process.h"
+#include "fanrun/status.h"
+
+namespace fanrun {
+
+struct RankOptions {
+  // argv, env and cwd of the rank; the supervisor sets its descriptors.
+  SpawnOptions spawn;
+  // Everything the rank writes to stdout and stderr, byte for byte.
+  std::string log_path;
+};
+
+struct SupervisorOptions {
+  std::vector<RankOptions> ranks;
+  double timeout_s = 0;            // <= 0: no timeout
+  double kill_grace_s = 5;         // from SIGTERM to SIGKILL
+  int stack_dump_signal = 0;       // sent to every rank at the timeout, before the kill; 0: none
+  double stack_dump_wait_s = 1;    // how long the ranks get to write their stacks
+  int wakeup_fd = -1;              // Wait() returns "interrupted" when this becomes readable
+  size_t max_line_bytes = 64 * 1024;
+  // Give each rank a pipe at fd 3 on which it reports "failed\n" the moment it has
+  // written its error, before its (possibly slow) interpreter shutdown.
+  bool control_channel = true;
+};
+
+enum class EventKind { kOutput, kRankFailed, kRankExited };
+
+struct Event {
+  EventKind kind;
+  int rank;
+  int stream = 0;                          // kOutput: 1 stdout, 2 stderr
+  SegmentKind segment = SegmentKind::kLine;  // kOutput
+  std::string text;                        // kOutput
+  ExitStatus exit;                         // kRankExited
+};
+
+enum class StopReason { kNone, kRankFailed, kTimeout, kCancelled };
+
+struct WaitResult {
+  std::vector<Event> events;
+  bool interrupted = false;  // a signal or the wakeup fd woke the wait
+  bool done = false;         // every rank has exited and been reaped
+};
+
+class Supervisor {
+ public:
+  // Spawns every rank. When one cannot start, those already started are killed.
+  static Result<std::unique_ptr<Supervisor>> Start(SupervisorOptions options);
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+  // Ranks still running are killed with their process groups and reaped.
+  ~Supervisor();
+
+  // Blocks until there is something to report, a deadline passes, or a signal or the
+  // wakeup fd interrupts it. Not thread-safe: one thread pumps a supervisor.
+  Result<WaitResult> Wait();
+  // Stops every rank: SIGTERM now, SIGKILL after the grace period. Idempotent.
+  void Cancel();
+  // Kills every rank still running, with its process group, and reaps it, at once.
+  void KillAndReap();
+
+  int world_size() const { return static_cast<int>(ranks_.size()); }
+  pid_t pid(int rank) const { return ranks_[static_cast<size_t>(rank)].pid; }
+  std::optional<ExitStatus> exit_status(int rank) const { return ranks_[static_cast<size_t>(rank)].exit; }
+  const std::string& log_path(int rank) const { return ranks_[static_cast<size_t>(rank)].log_path; }
+  // The root cause: the first rank that reported a failure or ended badly; -1 if none.
+  int first_failed_rank() const { return first_failed_rank_; }
+  StopReason stop_reason() const { return stop_reason_; }
+  // The ranks still running when the timeout struck.
+  const std::vector<int>& ranks_running_at_timeout() const { return running_at_timeout_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  struct Stream {
+    FileDescriptor fd;
+    LineSplitter lines;
+    explicit Stream(size_t max_line) : lines(max_line) {}
+  };
+
+  struct Rank {
+    std::optional<ChildProcess> process;
+    pid_t pid = -1;
+    std::string log_path;
+    FileDescriptor log;
+    std::unique_ptr<Stream> out, err;
+    FileDescriptor control;
+    std::string control_buffer;
+    std::optional<ExitStatus> exit;
+  };
+
+  explicit Supervisor(SupervisorOptions options);
+  Status SpawnRank(size_t index);
+
+  // Reads once from a ready output stream; on end of stream finishes and closes it.
+  void PumpStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
+  void DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
+  void PumpControl(size_t rank, std::vector<Event>& events);
+  void OnExit(size_t rank, std::vector<Event>& events);
+  void OnFailure(size_t rank);
+  void HandleDeadlines(Clock::time_point now);
+  void Terminate(Clock::time_point now);
+  void SignalRunning(int signo, bool whole_group);
+  bool AllReaped() const;
+  int MillisecondsToNextDeadline(Clock::time_point now) const;
+
+  SupervisorOptions options_;
+  std::vector<Rank> ranks_;
+  int first_failed_rank_ = -1;
+  StopReason stop_reason_ = StopReason::kNone;
+  std::vector<int> running_at_timeout_;
+  std::optional<Clock::time_point> timeout_at_, dump_done_at_, kill_at_;
+  bool terminating_ = false;
+};
+
+}  // namespace fanrun

@@ -1,0 +1,280 @@
+// The supervisor of one run.
+#include "fanrun/supervisor.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace fanrun {
+namespace {
+
+constexpr size_t kReadChunk = 64 * 1024;
+
+std::chrono::steady_clock::duration Seconds(double s) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+}
+
+}  // namespace
+
+Supervisor::Supervisor(SupervisorOptions options) : options_(std::move(options)) {}
+
+Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options) {
+  if (options.ranks.empty()) return Status::Invalid("A run needs at least one rank");
+  if (options.kill_grace_s < 0 || options.stack_dump_wait_s < 0) {
+    return Status::Invalid("Grace periods cannot be negative");
+  }
+  if (options.max_line_bytes == 0) return Status::Invalid("max_line_bytes must be positive");
+  std::unique_ptr<Supervisor> supervisor(new Supervisor(std::move(options)));
+  supervisor->ranks_.resize(supervisor->options_.ranks.size());
+  for (size_t i = 0; i < supervisor->ranks_.size(); ++i) {
+    Status st = supervisor->SpawnRank(i);
+    // Returning drops the supervisor, whose destructor kills the ranks already started.
+    if (!st.ok()) return Status(st.code(), internal::StrCat("Rank ", i, " could not start: ", st.message()));
+  }
+  if (supervisor->options_.timeout_s > 0) {
+    supervisor->timeout_at_ = Clock::now() + Seconds(supervisor->options_.timeout_s);
+  }
+  return supervisor;
+}
+
+Status Supervisor::SpawnRank(size_t index) {
+  Rank& rank = ranks_[index];
+  const RankOptions& launch = options_.ranks[index];
+  rank.log_path = launch.log_path;
+  FANRUN_ASSIGN_OR_RETURN(rank.log, OpenFile(launch.log_path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0600));
+  FANRUN_ASSIGN_OR_RETURN(Pipe out, MakePipe());
+  FANRUN_ASSIGN_OR_RETURN(Pipe err, MakePipe());
+  Pipe control;
+  if (options_.control_channel) {
+    FANRUN_ASSIGN_OR_RETURN(control, MakePipe());
+  }
+  SpawnOptions spawn = launch.spawn;
+  spawn.stdout_fd = out.write.fd();
+  spawn.stderr_fd = err.write.fd();
+  spawn.control_fd = control.write.fd();
+  FANRUN_ASSIGN_OR_RETURN(ChildProcess child, Spawn(spawn));
+  rank.pid = child.pid();
+  rank.process.emplace(std::move(child));
+  // Only the child holds the write ends now, so its exit ends our reads.
+  FANRUN_RETURN_NOT_OK(out.write.Close());
+  FANRUN_RETURN_NOT_OK(err.write.Close());
+  FANRUN_RETURN_NOT_OK(control.write.Close());
+  FANRUN_RETURN_NOT_OK(SetNonBlocking(out.read.fd()));
+  FANRUN_RETURN_NOT_OK(SetNonBlocking(err.read.fd()));
+  rank.out = std::make_unique<Stream>(options_.max_line_bytes);
+  rank.out->fd = std::move(out.read);
+  rank.err = std::make_unique<Stream>(options_.max_line_bytes);
+  rank.err->fd = std::move(err.read);
+  if (control.read.valid()) {
+    FANRUN_RETURN_NOT_OK(SetNonBlocking(control.read.fd()));
+    rank.control = std::move(control.read);
+  }
+  return Status::OK();
+}
+
+Supervisor::~Supervisor() { KillAndReap(); }
+
+void Supervisor::KillAndReap() {
+  for (auto& rank : ranks_) {
+    if (rank.exit || !rank.process) continue;
+    FANRUN_WARN_NOT_OK(rank.process->SignalGroup(SIGKILL), "killing a rank");
+    auto status = rank.process->Wait();
+    if (status.ok()) rank.exit = *status;
+    FANRUN_WARN_NOT_OK(status.status(), "reaping a rank");
+  }
+}
+
+void Supervisor::PumpStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
+  char buffer[kReadChunk];
+  const ssize_t n = ::read(stream.fd.fd(), buffer, sizeof(buffer));
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  auto emit = [&](SegmentKind kind, std::string_view text) {
+    events.push_back(Event{EventKind::kOutput, static_cast<int>(rank), number, kind, std::string(text), {}});
+  };
+  if (n <= 0) {  // end of stream, or an error that ends it all the same
+    stream.lines.Finish(emit);
+    FANRUN_WARN_NOT_OK(stream.fd.Close(), "closing a rank's output");
+    return;
+  }
+  const Rank& r = ranks_[rank];
+  if (r.log.valid()) FANRUN_WARN_NOT_OK(WriteAll(r.log.fd(), buffer, static_cast<size_t>(n)), "writing a rank's log");
+  stream.lines.Feed(std::string_view(buffer, static_cast<size_t>(n)), emit);
+}
+
+void Supervisor::DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
+  // The rank has exited, so all it wrote is in the pipe: read to the end, but do not
+  // wait for processes it left behind that still hold the pipe.
+  while (stream.fd.valid()) {
+    pollfd p{stream.fd.fd(), POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) break;
+    PumpStream(rank, stream, number, events);
+  }
+  if (stream.fd.valid()) {
+    auto emit = [&](SegmentKind kind, std::string_view text) {
+      events.push_back(Event{EventKind::kOutput, static_cast<int>(rank), number, kind, std::string(text), {}});
+    };
+    stream.lines.Finish(emit);
+    FANRUN_WARN_NOT_OK(stream.fd.Close(), "closing a rank's output");
+  }
+}
+
+void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
+  Rank& r = ranks_[rank];
+  char buffer[256];
+  const ssize_t n = ::read(r.control.fd(), buffer, sizeof(buffer));
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n <= 0) {
+    FANRUN_WARN_NOT_OK(r.control.Close(), "closing a rank's control channel");
+    return;
+  }
+  r.control_buffer.append(buffer, static_cast<size_t>(n));
+  size_t newline;
+  while ((newline = r.control_buffer.find('\n')) != std::string::npos) {
+    const std::string message = r.control_buffer.substr(0, newline);
+    r.control_buffer.erase(0, newline + 1);
+    if (message == "failed") {
+      events.push_back(Event{EventKind::kRankFailed, static_cast<int>(rank), 0, SegmentKind::kLine, {}, {}});
+      OnFailure(rank);
+    }
+  }
+}
+
+void Supervisor::OnExit(size_t rank, std::vector<Event>& events) {
+  Rank& r = ranks_[rank];
+  DrainStream(rank, *r.out, 1, events);
+  DrainStream(rank, *r.err, 2, events);
+  while (r.control.valid()) {
+    pollfd p{r.control.fd(), POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) break;
+    PumpControl(rank, events);
+  }
+  FANRUN_WARN_NOT_OK(r.control.Close(), "closing a rank's control channel");
+  // What the rank started and left behind goes with it.
+  FANRUN_WARN_NOT_OK(r.process->SignalGroup(SIGKILL), "killing what a rank left behind");
+  events.push_back(Event{EventKind::kRankExited, static_cast<int>(rank), 0, SegmentKind::kLine, {}, *r.exit});
+  if (!r.exit->success()) OnFailure(rank);
+}
+
+void Supervisor::OnFailure(size_t rank) {
+  if (stop_reason_ != StopReason::kNone) return;  // a consequence, not the cause
+  first_failed_rank_ = static_cast<int>(rank);
+  stop_reason_ = StopReason::kRankFailed;
+  Terminate(Clock::now());
+}
+
+void Supervisor::SignalRunning(int signo, bool whole_group) {
+  for (auto& rank : ranks_) {
+    if (rank.exit || !rank.process) continue;
+    Status st = whole_group ? rank.process->SignalGroup(signo) : rank.process->Signal(signo);
+    FANRUN_WARN_NOT_OK(st, "signalling a rank");
+  }
+}
+
+void Supervisor::Terminate(Clock::time_point now) {
+  if (terminating_) return;
+  terminating_ = true;
+  dump_done_at_.reset();
+  SignalRunning(SIGTERM, true);
+  kill_at_ = now + Seconds(options_.kill_grace_s);
+}
+
+void Supervisor::Cancel() {
+  if (stop_reason_ == StopReason::kNone) stop_reason_ = StopReason::kCancelled;
+  Terminate(Clock::now());
+}
+
+void Supervisor::HandleDeadlines(Clock::time_point now) {
+  if (timeout_at_ && now >= *timeout_at_ && stop_reason_ == StopReason::kNone) {
+    timeout_at_.reset();
+    stop_reason_ = StopReason::kTimeout;
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      if (!ranks_[i].exit) running_at_timeout_.push_back(static_cast<int>(i));
+    }
+    if (options_.stack_dump_signal != 0) {
+      SignalRunning(options_.stack_dump_signal, false);
+      dump_done_at_ = now + Seconds(options_.stack_dump_wait_s);
+    } else {
+      Terminate(now);
+    }
+  }
+  if (dump_done_at_ && now >= *dump_done_at_) Terminate(now);
+  if (kill_at_ && now >= *kill_at_) {
+    kill_at_.reset();
+    SignalRunning(SIGKILL, true);
+  }
+}
+
+bool Supervisor::AllReaped() const {
+  return std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.exit.has_value(); });
+}
+
+int Supervisor::MillisecondsToNextDeadline(Clock::time_point now) const {
+  std::optional<Clock::time_point> next;
+  for (const auto& deadline : {timeout_at_, dump_done_at_, kill_at_}) {
+    if (deadline && (!next || *deadline < *next)) next = deadline;
+  }
+  if (!next) return -1;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next - now).count();
+  return static_cast<int>(std::clamp<long long>(ms, 0, 1 << 30));
+}
+
+Result<WaitResult> Supervisor::Wait() {
+  WaitResult result;
+  for (;;) {
+    const auto now = Clock::now();
+    HandleDeadlines(now);
+    if (AllReaped()) {
+      result.done = true;
+      return result;
+    }
+    // What each poll slot stands for: (rank, 0 pidfd | 1 stdout | 2 stderr | 3 control).
+    std::vector<pollfd> fds;
+    std::vector<std::pair<size_t, int>> slots;
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      Rank& r = ranks_[i];
+      if (r.exit) continue;
+      fds.push_back({r.process->pidfd(), POLLIN, 0});
+      slots.emplace_back(i, 0);
+      if (r.out->fd.valid()) { fds.push_back({r.out->fd.fd(), POLLIN, 0}); slots.emplace_back(i, 1); }
+      if (r.err->fd.valid()) { fds.push_back({r.err->fd.fd(), POLLIN, 0}); slots.emplace_back(i, 2); }
+      if (r.control.valid()) { fds.push_back({r.control.fd(), POLLIN, 0}); slots.emplace_back(i, 3); }
+    }
+    if (options_.wakeup_fd >= 0) fds.push_back({options_.wakeup_fd, POLLIN, 0});
+
+    const int ready = ::poll(fds.data(), fds.size(), MillisecondsToNextDeadline(now));
+    if (ready < 0) {
+      if (errno == EINTR) {
+        result.interrupted = true;
+        return result;
+      }
+      return Status::IOErrorFromErrno(errno, "poll failed while supervising the ranks");
+    }
+    for (size_t k = 0; k < slots.size(); ++k) {
+      if (fds[k].revents == 0) continue;
+      const auto [i, what] = slots[k];
+      Rank& r = ranks_[i];
+      if (r.exit) continue;  // already handled in this round
+      switch (what) {
+        case 0: {
+          FANRUN_ASSIGN_OR_RETURN(std::optional<ExitStatus> status, r.process->TryReap());
+          if (status) {
+            r.exit = status;
+            OnExit(i, result.events);
+          }
+          break;
+        }
+        case 1: PumpStream(i, *r.out, 1, result.events); break;
+        case 2: PumpStream(i, *r.err, 2, result.events); break;
+        case 3: PumpControl(i, result.events); break;
+      }
+    }
+    if (options_.wakeup_fd >= 0 && fds.back().revents != 0) result.interrupted = true;
+    if (!result.events.empty() || result.interrupted) return result;
+  }
+}
+
+}  // namespace fanrun

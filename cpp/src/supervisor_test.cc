@@ -1,0 +1,214 @@
+// Tests of supervising a run: output, failures, escalation, timeouts, interrupts.
+#include "fanrun/supervisor.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "test_util_internal.h"
+
+namespace fanrun {
+namespace {
+
+using testing::MinimalEnv;
+using testing::ProcessGoneWithin;
+using testing::ShellCommand;
+
+class SupervisorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/fanrun-supervisor-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { std::system(("rm -rf " + dir_).c_str()); }
+
+  SupervisorOptions Options(const std::vector<std::string>& scripts) {
+    SupervisorOptions options;
+    for (size_t i = 0; i < scripts.size(); ++i) {
+      RankOptions rank;
+      rank.spawn.argv = ShellCommand(scripts[i]);
+      rank.spawn.env = MinimalEnv();
+      rank.spawn.env.push_back("RANK=" + std::to_string(i));
+      rank.log_path = dir_ + "/rank_" + std::to_string(i) + ".log";
+      options.ranks.push_back(rank);
+    }
+    options.kill_grace_s = 0.5;
+    return options;
+  }
+
+  // Pumps the supervisor until every rank is reaped.
+  std::vector<Event> RunToEnd(Supervisor& supervisor) {
+    std::vector<Event> all;
+    for (;;) {
+      auto batch = supervisor.Wait();
+      EXPECT_TRUE(batch.ok()) << batch.status().message();
+      if (!batch.ok()) return all;
+      for (auto& event : batch->events) all.push_back(std::move(event));
+      if (batch->done) return all;
+    }
+  }
+
+  static std::map<int, std::string> Lines(const std::vector<Event>& events, int stream) {
+    std::map<int, std::string> out;
+    for (const auto& e : events) {
+      if (e.kind == EventKind::kOutput && e.stream == stream) out[e.rank] += e.text + "|";
+    }
+    return out;
+  }
+
+  static std::string ReadFile(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+  std::string dir_;
+};
+
+TEST_F(SupervisorTest, EveryRankRunsAndItsOutputArrivesLabelledAndLogged) {
+  auto supervisor = Supervisor::Start(Options({"echo out$RANK; echo err$RANK >&2", "echo out$RANK; echo err$RANK >&2"}));
+  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+  auto events = RunToEnd(**supervisor);
+  EXPECT_EQ(Lines(events, 1), (std::map<int, std::string>{{0, "out0|"}, {1, "out1|"}}));
+  EXPECT_EQ(Lines(events, 2), (std::map<int, std::string>{{0, "err0|"}, {1, "err1|"}}));
+  EXPECT_EQ((*supervisor)->first_failed_rank(), -1);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kNone);
+  EXPECT_TRUE((*supervisor)->exit_status(0)->success());
+  const std::string log = ReadFile(dir_ + "/rank_1.log");
+  EXPECT_NE(log.find("out1\n"), std::string::npos);
+  EXPECT_NE(log.find("err1\n"), std::string::npos);
+}
+
+TEST_F(SupervisorTest, FirstFailureIsTheRootCauseAndTheOthersAreTerminated) {
+  auto supervisor = Supervisor::Start(Options({"exec sleep 100", "sleep 0.2; exit 7", "exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto events = RunToEnd(**supervisor);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kRankFailed);
+  EXPECT_EQ((*supervisor)->exit_status(1)->exit_code, 7);
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
+  EXPECT_EQ((*supervisor)->exit_status(2)->term_signal, SIGTERM);
+}
+
+TEST_F(SupervisorTest, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  auto options = Options({"trap '' TERM; echo ready; while :; do sleep 1; done", "sleep 0.3; exit 1"});
+  options.kill_grace_s = 0.3;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGKILL);
+}
+
+TEST_F(SupervisorTest, ControlChannelReportsAFailureBeforeTheRankExits) {
+  auto supervisor = Supervisor::Start(Options({"echo failed >&3; exec sleep 100", "exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  auto events = RunToEnd(**supervisor);
+  ASSERT_FALSE(events.empty());
+  bool failed_reported = false;
+  for (const auto& e : events) failed_reported |= e.kind == EventKind::kRankFailed && e.rank == 0;
+  EXPECT_TRUE(failed_reported);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 0);
+  // It was still running when reported, so it was terminated too.
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
+}
+
+TEST_F(SupervisorTest, TimeoutDumpsStacksThenKills) {
+  auto options = Options({"trap 'echo dumping >&2' USR1; echo up; while :; do sleep 0.05; done",
+                          "trap 'echo dumping >&2' USR1; while :; do sleep 0.05; done"});
+  options.timeout_s = 0.5;
+  options.stack_dump_signal = SIGUSR1;
+  options.stack_dump_wait_s = 0.3;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  auto events = RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kTimeout);
+  EXPECT_EQ((*supervisor)->ranks_running_at_timeout(), (std::vector<int>{0, 1}));
+  EXPECT_EQ(Lines(events, 2), (std::map<int, std::string>{{0, "dumping|"}, {1, "dumping|"}}));
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
+}
+
+TEST_F(SupervisorTest, CancelStopsEveryRank) {
+  auto supervisor = Supervisor::Start(Options({"exec sleep 100", "exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  (*supervisor)->Cancel();
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kCancelled);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), -1);
+}
+
+TEST_F(SupervisorTest, WakeupDescriptorInterruptsTheWait) {
+  auto wakeup = MakePipe();
+  ASSERT_TRUE(wakeup.ok());
+  auto options = Options({"exec sleep 100"});
+  options.wakeup_fd = wakeup->read.fd();
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  ASSERT_TRUE(WriteAll(wakeup->write.fd(), "x", 1).ok());
+  auto batch = (*supervisor)->Wait();
+  ASSERT_TRUE(batch.ok());
+  EXPECT_TRUE(batch->interrupted);
+  EXPECT_FALSE(batch->done);
+}
+
+TEST_F(SupervisorTest, PartialVeryLongAndBinaryOutputArriveWhole) {
+  auto options = Options({"printf 'no newline'; head -c 300000 /dev/zero | tr '\\0' a; printf '\\n\\001\\377\\000end\\n'"});
+  options.max_line_bytes = 65536;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  auto events = RunToEnd(**supervisor);
+  std::string joined;
+  size_t partials = 0;
+  for (const auto& e : events) {
+    if (e.kind != EventKind::kOutput) continue;
+    joined += e.text;
+    if (e.segment == SegmentKind::kPartial) {
+      ++partials;
+      EXPECT_EQ(e.text.size(), 65536u);
+    } else {
+      joined += "\n";
+    }
+  }
+  EXPECT_EQ(partials, 4u);
+  // EXPECT_TRUE, not EXPECT_EQ: a failure should not print 300 kB.
+  EXPECT_TRUE(joined == "no newline" + std::string(300000, 'a') + "\n" + std::string("\x01\xff\x00" "end\n", 7));
+  EXPECT_TRUE(ReadFile(dir_ + "/rank_0.log") == joined);
+}
+
+TEST_F(SupervisorTest, WhatARankLeavesBehindIsKilledWhenItExits) {
+  auto supervisor = Supervisor::Start(Options({"sleep 100 & echo $!"}));
+  ASSERT_TRUE(supervisor.ok());
+  auto events = RunToEnd(**supervisor);
+  const auto lines = Lines(events, 1);
+  ASSERT_EQ(lines.count(0), 1u);
+  const pid_t leftover = static_cast<pid_t>(std::stoi(lines.at(0)));
+  EXPECT_TRUE(ProcessGoneWithin(leftover, 5000));
+}
+
+TEST_F(SupervisorTest, ARankThatCannotStartStopsTheRunAndKillsTheStartedOnes) {
+  auto options = Options({"exec sleep 100", "true"});
+  options.ranks[1].spawn.argv = {"/nonexistent/fanrun-program"};
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_FALSE(supervisor.ok());
+  EXPECT_NE(supervisor.status().message().find("Rank 1 could not start"), std::string::npos);
+  EXPECT_NE(supervisor.status().message().find("/nonexistent/fanrun-program"), std::string::npos);
+}
+
+TEST_F(SupervisorTest, InvalidOptionsAreRejected) {
+  EXPECT_FALSE(Supervisor::Start(SupervisorOptions{}).ok());
+  auto options = Options({"true"});
+  options.kill_grace_s = -1;
+  EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
+}
+
+}  // namespace
+}  // namespace fanrun

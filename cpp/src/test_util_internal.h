@@ -1,0 +1,28 @@
+// Helpers shared by the engine's tests.
+#pragma once
+
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <string>
+#include <vector>
+
+namespace fanrun::testing {
+
+inline std::vector<std::string> ShellCommand(const std::string& script) { return {"/bin/sh", "-c", script}; }
+
+inline std::vector<std::string> MinimalEnv() { return {"PATH=/usr/bin:/bin", "LC_ALL=C"}; }
+
+// True once `pid` has exited (or never existed), waiting at most `timeout_ms`.
+inline bool ProcessGoneWithin(pid_t pid, int timeout_ms) {
+  const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) return errno == ESRCH;
+  pollfd p{pidfd, POLLIN, 0};
+  const int ready = ::poll(&p, 1, timeout_ms);
+  ::close(pidfd);
+  return ready == 1;
+}
+
+}  // namespace fanrun::testing
