@@ -22,27 +22,46 @@ nb::list GpusToPython(const std::vector<GpuInfo>& gpus) {
   return out;
 }
 
+std::vector<GpuInfo> GpusFromPython(const nb::list& gpus) {
+  std::vector<GpuInfo> out;
+  for (nb::handle item : gpus) {
+    nb::dict entry = nb::cast<nb::dict>(item);
+    GpuInfo gpu;
+    gpu.nvml_index = nb::cast<int>(entry["nvml_index"]);
+    gpu.name = nb::cast<std::string>(entry["name"]);
+    gpu.uuid = nb::cast<std::string>(entry["uuid"]);
+    gpu.memory_total = nb::cast<uint64_t>(entry["memory_total"]);
+    out.push_back(gpu);
+  }
+  return out;
+}
+
 }  // namespace
 
 void BindAccelerators(nb::module_& m) {
-  // The GPUs this process may use (CUDA_VISIBLE_DEVICES applied), the driver version,
-  // and why there are none when there are none.
+  // Every GPU of the machine, the driver version, and why there are none when there are none.
   m.def(
       "detect_gpus",
-      [](const std::string& library, bool visible_is_set, const std::string& visible) {
+      [](const std::string& library) {
         GpuInventory inventory;
         {
           nb::gil_scoped_release release;
           inventory = DetectGpus(library);
         }
         nb::dict out;
-        out["gpus"] = GpusToPython(ApplyVisibleDevices(inventory.gpus, visible_is_set, visible));
-        out["all_gpus"] = GpusToPython(inventory.gpus);
+        out["gpus"] = GpusToPython(inventory.gpus);
         out["driver_version"] = inventory.driver_version;
         out["note"] = inventory.note;
         return out;
       },
-      nb::arg("nvml_library"), nb::arg("visible_is_set"), nb::arg("visible"));
+      nb::arg("nvml_library"));
+  // The GPUs, in CUDA's order, that CUDA_VISIBLE_DEVICES=`visible` leaves to a process.
+  m.def(
+      "apply_visible_devices",
+      [](const nb::list& gpus, const std::string& visible) {
+        return GpusToPython(ApplyVisibleDevices(GpusFromPython(gpus), true, visible));
+      },
+      nb::arg("gpus"), nb::arg("visible"));
 }
 
 }  // namespace fanrun::bindings

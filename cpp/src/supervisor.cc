@@ -24,6 +24,12 @@ Supervisor::Supervisor(SupervisorOptions options) : options_(std::move(options))
 
 Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options) {
   if (options.ranks.empty()) return Status::Invalid("A run needs at least one rank");
+  for (double seconds : {options.timeout_s, options.kill_grace_s, options.stack_dump_wait_s}) {
+    // A year bounds every period: beyond it the clock arithmetic would overflow.
+    if (!std::isfinite(seconds) || seconds > 365.0 * 24 * 3600) {
+      return Status::Invalid("Timeouts and grace periods must be finite and under a year, not ", seconds);
+    }
+  }
   if (options.kill_grace_s < 0 || options.stack_dump_wait_s < 0) {
     return Status::Invalid("Grace periods cannot be negative");
   }

@@ -1,0 +1,82 @@
+"""`fanrun run`: the same engine for scripts, modules and native programs, like torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from . import _accelerators, _launcher
+from ._decorator import DEFAULT_TIMEOUT
+from ._errors import RankFailedError, RemoteTraceback, RunTimeoutError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fanrun", description="Run a program on every accelerator of this machine.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run",
+        help="run a script, a module or a program once per rank",
+        description="Runs SCRIPT (or -m MODULE, or a program with --no-python) once per rank, "
+        "with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).",
+    )
+    run.add_argument("-n", "--num-accelerators", "--nproc-per-node", type=int, default=None, metavar="N",
+                     help="ranks to start (default: every GPU, or %d CPU processes)" % _accelerators.DEFAULT_CPU_RANKS)
+    run.add_argument("--accelerator-type", default=None, metavar="TYPE",
+                     help="the machine type to expect, such as GPU_8xH100, or CPU to run CPU processes")
+    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                     help="seconds before every rank is stopped (default: 3 hours; 0: none)")
+    kind = run.add_mutually_exclusive_group()
+    kind.add_argument("-m", "--module", action="store_true", help="run TARGET as a module, like python -m")
+    kind.add_argument("--no-python", action="store_true", help="run TARGET as a program, not a Python script")
+    run.add_argument("target", metavar="TARGET", help="script.py, a module name with -m, or a program with --no-python")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = _parser().parse_args(argv)
+    # A scheduler's SIGTERM stops the ranks the same way as Ctrl+C does.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    try:
+        count = options.num_accelerators
+        if count is not None and count < 1:
+            raise ValueError(f"-n must be at least 1, not {count}")
+        plan = _accelerators.plan_run(
+            count, _accelerators.parse_accelerator_type(options.accelerator_type), _accelerators.detect()
+        )
+        if options.no_python:
+            program = _launcher.RankProgram.native([options.target, *options.args])
+        else:
+            program = _launcher.RankProgram.script(options.target, options.args, module=options.module)
+        _launcher.run(
+            name=options.target.rsplit("/", 1)[-1],
+            plan=plan,
+            program=program,
+            timeout=options.timeout if options.timeout and options.timeout > 0 else None,
+        )
+        return 0
+    except KeyboardInterrupt:
+        print("fanrun: interrupted; every rank was stopped", file=sys.stderr)
+        return 130
+    except SystemExit as stop:  # SIGTERM, after the ranks were stopped
+        return stop.code if isinstance(stop.code, int) else 1
+    except RunTimeoutError as error:
+        print(f"fanrun: {error}", file=sys.stderr)
+        return 124
+    except RankFailedError as error:
+        print(f"fanrun: {error}", file=sys.stderr)
+        return error.exit_code if isinstance(error.exit_code, int) and error.exit_code > 0 else 1
+    except Exception as error:
+        # A rank's own exception (its traceback is in the rank's output above), or bad input.
+        origin = "a rank failed: " if isinstance(error.__cause__, RemoteTraceback) else ""
+        print(f"fanrun: {origin}{type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+
+
+def _raise_system_exit(signo: int, frame: object) -> None:
+    raise SystemExit(128 + signo)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

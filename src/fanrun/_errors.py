@@ -1,0 +1,81 @@
+"""Every exception fanrun raises: each subclasses FanrunError and the builtin it behaves like."""
+
+from __future__ import annotations
+
+
+class FanrunError(Exception):
+    """Base class of fanrun's own errors."""
+
+
+class AcceleratorMismatchError(ValueError, FanrunError):
+    """The accelerators asked for are not the ones this machine has."""
+
+
+class PayloadSerializationError(TypeError, FanrunError):
+    """The function, an argument or a captured object cannot be pickled to send to the ranks."""
+
+
+class ResultSerializationError(TypeError, FanrunError):
+    """A rank returned a value that cannot be pickled to send back."""
+
+    def __init__(self, message: str, *, rank: int, type_name: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.type_name = type_name
+
+
+class RankFailedError(RuntimeError, FanrunError):
+    """A rank ended badly without an exception fanrun could re-raise: an exit code, a
+    signal, sys.exit, or an exception that could not be unpickled in the caller."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        pid: int,
+        exit_code: int | None = None,
+        signal_name: str | None = None,
+        log_path: str | None = None,
+        log_tail: list[str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.pid = pid
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+        self.log_path = log_path
+        self.log_tail = log_tail or []
+
+
+class RunTimeoutError(TimeoutError, FanrunError):
+    """The run outlasted its timeout; every rank's Python stack was dumped before the kill."""
+
+    def __init__(self, message: str, *, running_ranks: list[int], stacks: dict[int, list[str]]) -> None:
+        super().__init__(message)
+        self.running_ranks = running_ranks
+        self.stacks = stacks
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's traceback text; chained as the __cause__ of the re-raised exception."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+# Raised by the engine (fanrun._core); its one exception translator maps status codes here.
+class EngineError(RuntimeError, FanrunError):
+    """The engine failed in a way that is not the caller's input."""
+
+
+class EngineInvalidArgument(ValueError, FanrunError):
+    """The engine was asked for something it cannot do."""
+
+
+class ExecutableNotFoundError(FileNotFoundError, FanrunError):
+    """The program a rank should run does not exist."""
+
+
+class EngineOSError(OSError, FanrunError):
+    """A system call failed in the engine."""

@@ -1,0 +1,170 @@
+"""What runs inside each rank: read the call, run it, send back a result or an error envelope.
+
+Started as `python -u -c <bootstrap> function|script|module ...` in a fresh interpreter;
+imports nothing heavy before the user's code does.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# Sent by the engine at a timeout: every thread's Python stack goes to stderr, hence to the log.
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+
+# The one-line message on the control descriptor that says "my error is written, I am failing".
+_FAILED = b"failed\n"
+
+
+def bootstrap_code(package_parent: str) -> str:
+    """The -c program of a rank: makes fanrun importable, then hands over to main()."""
+    return f"import sys; sys.path.append({package_parent!r}); from fanrun._worker import main; main()"
+
+
+def main() -> None:
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
+    control_fd = os.environ.get("FANRUN_CONTROL_FD")
+    if control_fd:
+        # Processes this rank starts must not hold the engine's channel open.
+        os.set_inheritable(int(control_fd), False)
+    mode = sys.argv[1]
+    run_dir = Path(os.environ["FANRUN_RUN_DIR"])
+    rank = int(os.environ["RANK"])
+    if mode == "function":
+        _run_function(run_dir, rank)
+    else:
+        _run_program(mode, sys.argv[2], sys.argv[3:], run_dir, rank)
+
+
+def _run_function(run_dir: Path, rank: int) -> None:
+    with open(run_dir / "payload.pkl", "rb") as payload:
+        header = pickle.load(payload)
+        sys.path[:] = header["sys_path"]
+        try:
+            fn, args, kwargs = pickle.load(payload)
+        except BaseException as error:
+            _fail(run_dir, rank, "exception", error)
+    try:
+        result = fn(*args, **kwargs)
+    except SystemExit as error:
+        if error.code not in (None, 0):
+            _fail(run_dir, rank, "exit", error)
+        result = None
+    except BaseException as error:
+        _fail(run_dir, rank, "exception", error)
+    _send_result(run_dir, rank, result)
+
+
+def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: int) -> None:
+    import runpy
+
+    if mode == "script":
+        sys.argv = [target, *argv]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        run = lambda: runpy.run_path(target, run_name="__main__")  # noqa: E731
+    else:
+        sys.argv = [target, *argv]
+        sys.path[0] = os.getcwd()
+        run = lambda: runpy.run_module(target, run_name="__main__", alter_sys=True)  # noqa: E731
+    try:
+        run()
+    except SystemExit as error:
+        if error.code not in (None, 0):
+            _fail(run_dir, rank, "exit", error)
+    except BaseException as error:
+        _fail(run_dir, rank, "exception", error)
+
+
+def _send_result(run_dir: Path, rank: int, result: object) -> None:
+    path = run_dir / f"rank_{rank}.result"
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            _result_pickler_class()(out, protocol=pickle.HIGHEST_PROTOCOL).dump(result)
+    except Exception as error:
+        tmp.unlink(missing_ok=True)
+        _fail(run_dir, rank, "result", error, result_type=_type_name(result))
+    os.replace(tmp, path)
+
+
+def _result_pickler_class():
+    import cloudpickle
+
+    class ResultPickler(cloudpickle.CloudPickler):
+        """Sends CUDA tensors back as CPU tensors: unpickling a CUDA tensor would start
+        CUDA in the caller, which may have no GPU or must keep CUDA uninitialised."""
+
+        def reducer_override(self, obj):
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return super().reducer_override(obj)
+
+    return ResultPickler
+
+
+def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type: str = "") -> None:
+    """Writes the error envelope, tells the engine at once, and exits with status 1."""
+    envelope = {
+        "kind": kind,  # "exception", "exit" (sys.exit with a code), "result" (unpicklable return)
+        "rank": rank,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "type": _type_name(error),
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(type(error), error, _skip_worker_frames(error.__traceback__))),
+        # Re-formatted in the caller, whose linecache has the source of notebook cells.
+        "frames": [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(_skip_worker_frames(error.__traceback__))],
+        "exception_only": "".join(traceback.format_exception_only(type(error), error)),
+        "exit_code": error.code if isinstance(error, SystemExit) else None,
+        "result_type": result_type,
+        "exception": _pickle_exception(error),
+    }
+    if kind != "result":
+        # The traceback goes to the log too, as an uncaught exception's would.
+        sys.stderr.write(envelope["traceback"])
+    sys.stderr.flush()
+    path = run_dir / f"rank_{rank}.error"
+    tmp = path.with_name(path.name + ".tmp")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as out:
+        pickle.dump(envelope, out, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+    control_fd = os.environ.get("FANRUN_CONTROL_FD")
+    if control_fd:
+        try:
+            os.write(int(control_fd), _FAILED)
+        except OSError:
+            pass
+    code = envelope["exit_code"] if isinstance(envelope["exit_code"], int) else 1
+    sys.exit(code or 1)
+
+
+def _skip_worker_frames(tb):
+    """The worker's own frames are noise in the user's traceback."""
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
+
+
+def _pickle_exception(error: BaseException) -> bytes | None:
+    try:
+        import cloudpickle
+
+        data = cloudpickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(data)  # an exception whose __init__ cannot take its args fails here
+        return data
+    except Exception:
+        return None
+
+
+def _type_name(value: object) -> str:
+    cls = value if isinstance(value, type) else type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
