@@ -1,0 +1,536 @@
+"""Launch wall time and failure latency of fanrun beside mp.spawn, torchrun and Accelerate's notebook_launcher."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from pathlib import Path
+
+# Only the standard library above: mp.spawn's children re-import this file, and
+# anything heavy here would be charged to mp.spawn.
+
+LAUNCHERS = ("fanrun", "mp.spawn", "torchrun", "notebook_launcher")
+PEERS = LAUNCHERS[1:]
+# The launchers fanrun must not be slower than; notebook_launcher is shown for reference.
+GOAL_PEERS = ("mp.spawn", "torchrun")
+NOISE = 0.05  # a ratio up to 1 + NOISE still counts as "no slower"
+FAILURE_GOAL_S = 0.5
+# Long enough that only the launcher stopping them ends the ranks that did not fail.
+SLEEP_S = 60.0
+# A hung call ends as an error after this long instead of stalling the whole run.
+CALL_TIMEOUT_S = 150.0
+# How long processes may outlive a call (a launcher's own SIGTERM grace) before they count as left over.
+LEFTOVER_WAIT_S = 10.0
+# Every launcher can run 2 ranks (notebook_launcher runs 1 in the caller), so warm-up uses 2.
+WARMUP_RANKS = 2
+MARKER_VAR = "FANRUN_BENCH_MARKER"
+INJECTED = "failure injected by the benchmark"
+
+# torchrun runs a script file: this one loads the benchmark by path and calls one of its rank functions.
+TORCHRUN_WORKER = """\
+import importlib.util
+import sys
+
+spec = importlib.util.spec_from_file_location("fanrun_launch_benchmark", {path!r})
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+spec.loader.exec_module(module)
+getattr(module, sys.argv[1])(sys.argv[2])
+"""
+
+
+# ---------------------------------------------------------------- what the ranks run
+
+
+def allreduce(directory: str) -> tuple[float, str]:
+    """One rank's work: join the group, all-reduce rank + 1, leave. The value is also
+    saved to a file, because only fanrun hands return values back."""
+    import torch
+    import torch.distributed as dist
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    if use_nccl:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = "nccl" if use_nccl else "gloo"
+    dist.init_process_group(backend)
+    tensor = torch.tensor([dist.get_rank() + 1.0], device="cuda" if use_nccl else "cpu")
+    dist.all_reduce(tensor)
+    total = tensor.item()
+    dist.destroy_process_group()
+    Path(directory, f"rank{os.environ['RANK']}.json").write_text(json.dumps([total, backend]))
+    return total, backend
+
+
+def fail_or_sleep(directory: str) -> None:
+    """The last rank raises once every rank is up, noting the time first; the others sleep."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    Path(directory, f"up{rank}").touch()
+    if rank != world_size - 1:
+        time.sleep(SLEEP_S)
+        return
+    # Waiting for the others makes the figure the time to stop running ranks, not starting ones.
+    deadline = time.monotonic() + CALL_TIMEOUT_S / 2
+    while len(list(Path(directory).glob("up*"))) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    Path(directory, "raised_at").write_text(repr(time.time()))
+    raise RuntimeError(INJECTED)
+
+
+def spawn_entry(index: int, fn: Callable[[str], object], directory: str) -> None:
+    """mp.spawn passes only the process index: the rank sets its own RANK, as users' code must."""
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(index)
+    fn(directory)
+
+
+# ---------------------------------------------------------------- the launchers, as users call them
+
+
+class NotApplicable(Exception):
+    """The launcher cannot run this case at all."""
+
+
+def run_fanrun(n: int, fn: Callable[[str], object], directory: str) -> list | None:
+    from fanrun import distributed
+
+    return distributed(num_accelerators=n, timeout=CALL_TIMEOUT_S)(fn).distributed(directory)
+
+
+def run_spawn(n: int, fn: Callable[[str], object], directory: str) -> None:
+    import torch.multiprocessing as mp
+
+    with environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n)):
+        mp.spawn(spawn_entry, args=(fn, directory), nprocs=n)
+
+
+def run_torchrun(n: int, fn: Callable[[str], object], directory: str, *, worker: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    subprocess.run([*command, str(worker), fn.__name__, directory], check=True, timeout=CALL_TIMEOUT_S)
+
+
+def run_notebook_launcher(n: int, fn: Callable[[str], object], directory: str) -> None:
+    if n == 1:
+        raise NotApplicable("with num_processes=1 it calls the function in the caller's own process: nothing is launched")
+    try:
+        from accelerate import notebook_launcher
+    except ImportError as error:
+        raise NotApplicable(f"accelerate is not installed ({error})") from None
+    notebook_launcher(fn, (directory,), num_processes=n, use_port=str(free_port()))
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------- one measurement
+
+
+def measure_launch(launch: Callable, n: int, directory: str) -> tuple[float, set[str]]:
+    """Seconds for one call; the ranks' sums are checked after the clock stops."""
+    start = time.perf_counter()
+    returned = launch(n, allreduce, directory)
+    elapsed = time.perf_counter() - start
+    values = returned if returned is not None else read_results(directory, n)
+    return elapsed, check_sums(values, n)
+
+
+def read_results(directory: str, n: int) -> list[tuple[float, str]]:
+    try:
+        return [tuple(json.loads(Path(directory, f"rank{rank}.json").read_text())) for rank in range(n)]
+    except FileNotFoundError as error:
+        raise RuntimeError(f"a rank saved no result: {error.filename}") from None
+
+
+def check_sums(values: list, n: int) -> set[str]:
+    expected = n * (n + 1) / 2
+    totals = [total for total, _ in values]
+    if len(totals) != n or any(total != expected for total in totals):
+        raise RuntimeError(f"wrong all-reduce result: {totals}, expected {n} x {expected:g}")
+    return {backend for _, backend in values}
+
+
+def measure_failure(launch: Callable, n: int, directory: str, *, same_type: bool) -> tuple[float, set[str]]:
+    """Seconds from the raise in the last rank to the caller catching the launcher's error."""
+    try:
+        launch(n, fail_or_sleep, directory)
+    except (TimeoutError, subprocess.TimeoutExpired):
+        raise  # a hang, not the failure being timed
+    except Exception as error:
+        caught = time.time()
+        # fanrun promises the rank's own exception; the peers wrap it in theirs.
+        if same_type and not (type(error) is RuntimeError and INJECTED in str(error)):
+            raise RuntimeError(f"expected the rank's RuntimeError, got {type(error).__name__}: {error}") from error
+    else:
+        raise RuntimeError("the call returned although a rank raised")
+    return caught - float(Path(directory, "raised_at").read_text()), set()
+
+
+# ---------------------------------------------------------------- processes a measurement leaves
+
+
+def started_processes(marker: bytes) -> dict[int, str]:
+    """Live processes this benchmark started, directly or not: pid -> command line. A process
+    counts when its environment has the marker (every launcher passes the caller's environment
+    on, orphans included) or when it descends from this one (forked children keep the
+    environment this process started with, which lacks the marker)."""
+    parents, marked, commands = {}, set(), {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            env = Path(entry.path, "environ").read_bytes()
+            command = Path(entry.path, "cmdline").read_bytes()
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state == "Z":  # exited, merely not reaped yet
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(ppid)
+        commands[pid] = command.replace(b"\0", b" ").decode(errors="replace").strip()
+        if marker in env.split(b"\0"):
+            marked.add(pid)
+    me = os.getpid()
+    return {pid: commands[pid] for pid in parents if pid != me and (pid in marked or descends(pid, me, parents))}
+
+
+def descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
+    while pid in parents:
+        pid = parents[pid]
+        if pid == ancestor:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------- the session
+
+
+@dataclasses.dataclass
+class Cell:
+    """The samples of one launcher at one N, or why there are none."""
+
+    samples: list[float] = dataclasses.field(default_factory=list)
+    problem: str | None = None  # "n/a: ..." or "error: ..."
+    backends: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.samples) if self.samples and not self.problem else None
+
+
+class Session:
+    """Runs measurements one at a time, with launcher output in a log and nothing left behind."""
+
+    def __init__(self, workdir: Path, log_path: Path) -> None:
+        self.workdir = workdir
+        self.log_path = log_path
+        self.notes: list[str] = []
+        token = uuid.uuid4().hex
+        self.marker = f"{MARKER_VAR}={token}".encode()
+        # Set before any launcher starts, so that every process they start inherits it.
+        os.environ[MARKER_VAR] = token
+        # mp.spawn starts multiprocessing's resource tracker, which lives as long as this
+        # process by design; starting it now keeps it out of the leftovers.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        self.baseline = set(started_processes(self.marker))
+        worker = workdir / "torchrun_worker.py"
+        worker.write_text(TORCHRUN_WORKER.format(path=str(Path(__file__).resolve())))
+        self.launchers = {
+            "fanrun": run_fanrun,
+            "mp.spawn": run_spawn,
+            "torchrun": functools.partial(run_torchrun, worker=worker),
+            "notebook_launcher": run_notebook_launcher,
+        }
+
+    def attempt(self, label: str, measure: Callable[[str], object]) -> object:
+        """Runs one measurement in a fresh directory; returns its value or the exception."""
+        directory = tempfile.mkdtemp(dir=self.workdir)
+        try:
+            with self.output_to_log(label):
+                return measure(directory)
+        except Exception as error:
+            return error
+        finally:
+            self.clear_leftovers(label)
+
+    @contextlib.contextmanager
+    def output_to_log(self, label: str) -> Iterator[None]:
+        """Launchers and ranks print a lot (tracebacks above all); it goes to the log, at the
+        level of file descriptors so that child processes' output goes there too."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(self.log_path, "a") as log:
+            log.write(f"\n===== {label}\n")
+            log.flush()
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+
+    def clear_leftovers(self, label: str) -> None:
+        """Waits for the measurement's processes to end; kills and reports any that do not."""
+        returned = time.monotonic()
+        left = set(started_processes(self.marker)) - self.baseline
+        while left and time.monotonic() - returned < LEFTOVER_WAIT_S:
+            time.sleep(0.05)
+            left = set(started_processes(self.marker)) - self.baseline
+        outlived = time.monotonic() - returned
+        if not left:
+            if outlived > 0.5:
+                self.notes.append(f"{label}: processes outlived the call by {outlived:.1f} s")
+            return
+        commands = started_processes(self.marker)
+        described = "; ".join(f"pid {pid}: {commands.get(pid, '?')[:120]}" for pid in sorted(left))
+        self.notes.append(f"{label}: {len(left)} process(es) still running {LEFTOVER_WAIT_S:g} s after the call, killed: {described}")
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- the schedule
+
+
+def run_launch(session: Session, ranks: list[int], repeat: int) -> dict[tuple[int, str], Cell]:
+    for name, launch in session.launchers.items():
+        progress(f"warm-up: {name}, N={WARMUP_RANKS}")
+        session.attempt(f"warm-up {name} N={WARMUP_RANKS}", functools.partial(measure_launch, launch, WARMUP_RANKS))
+    cells = {(n, name): Cell() for n in ranks for name in LAUNCHERS}
+    for n in ranks:
+        # Launchers take turns within each repeat, so that drift in the machine's load
+        # spreads over all of them instead of landing on one.
+        for index in range(repeat):
+            for name, launch in session.launchers.items():
+                cell = cells[n, name]
+                if cell.problem:
+                    continue  # errors repeat; retrying only costs time
+                label = f"launch {name} N={n} #{index + 1}"
+                record(cell, session.attempt(label, functools.partial(measure_launch, launch, n)), label)
+    return cells
+
+
+def run_failure(session: Session, ranks: list[int], repeat: int) -> dict[tuple[int, str], Cell]:
+    cells = {(n, name): Cell() for n in ranks for name in LAUNCHERS}
+    for n in ranks:
+        for index in range(repeat):
+            for name, launch in session.launchers.items():
+                cell = cells[n, name]
+                if cell.problem:
+                    continue
+                label = f"failure {name} N={n} #{index + 1}"
+                measure = functools.partial(measure_failure, launch, n, same_type=name == "fanrun")
+                record(cell, session.attempt(label, measure), label)
+    return cells
+
+
+def record(cell: Cell, outcome: object, label: str) -> None:
+    if isinstance(outcome, NotApplicable):
+        cell.problem = f"n/a: {outcome}"
+    elif isinstance(outcome, Exception):
+        message = str(outcome).strip().splitlines()
+        cell.problem = f"error: {type(outcome).__name__}: {message[0][:300] if message else ''}"
+    else:
+        seconds, backends = outcome
+        cell.samples.append(seconds)
+        cell.backends |= backends
+    progress(f"{label}: {cell.problem or f'{cell.samples[-1]:.3f} s'}")
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the report
+
+
+def machine() -> dict[str, str]:
+    return {
+        "cpu": cpu_model(),
+        "cores": f"{os.cpu_count()} ({len(os.sched_getaffinity(0))} usable)",
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": package_version("torch"),
+        "accelerate": package_version("accelerate"),
+        "fanrun": package_version("fanrun"),
+        "gpus": gpu_names(),
+    }
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def gpu_names() -> str:
+    """From nvidia-smi, not torch.cuda: CUDA started in this process would break the fork
+    that notebook_launcher relies on."""
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+    names = [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+    return ", ".join(f"{names.count(name)} x {name}" for name in dict.fromkeys(names)) or "none"
+
+
+def table(title: str, cells: dict[tuple[int, str], Cell], ranks: list[int]) -> str:
+    # Only the launch measurement joins a process group, so only it has a backend to show.
+    with_backend = any(cell.backends for cell in cells.values())
+    header = ["N", *LAUNCHERS, *(f"fanrun/{peer}" for peer in PEERS), *(["backend"] if with_backend else [])]
+    rows, footnotes = [], []
+    for n in ranks:
+        row = [str(n)]
+        for name in LAUNCHERS:
+            cell = cells[n, name]
+            if cell.problem:
+                footnotes.append(f"[{len(footnotes) + 1}] {name}, N={n}: {cell.problem}")
+                row.append(f"{cell.problem.split(':')[0]} [{len(footnotes)}]")
+            else:
+                row.append(f"{cell.median:.3f} ({min(cell.samples):.3f})")
+        row += [format_ratio(ratio(cells, n, peer)) for peer in PEERS]
+        if with_backend:
+            row.append(",".join(sorted(set().union(*(cells[n, name].backends for name in LAUNCHERS)))) or "-")
+        rows.append(row)
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines + footnotes)
+
+
+def ratio(cells: dict[tuple[int, str], Cell], n: int, peer: str) -> float | None:
+    mine, theirs = cells[n, "fanrun"].median, cells[n, peer].median
+    return mine / theirs if mine is not None and theirs else None
+
+
+def format_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def goals(launch: dict, failure: dict, ranks: list[int], failure_ranks: list[int]) -> str:
+    lines = [
+        f"Goals (rule: fanrun is no slower than a peer at N when median(fanrun) / median(peer) "
+        f"<= {1 + NOISE:.2f}, i.e. 1.00 within {NOISE:.0%} noise):"
+    ]
+    for peer in GOAL_PEERS:
+        ratios = {n: ratio(launch, n, peer) for n in ranks}
+        lines.append(verdict(f"launch wall time no slower than {peer} for every N", ratios, lambda r: r <= 1 + NOISE, format_ratio))
+    latencies = {n: failure[n, "fanrun"].median for n in failure_ranks}
+    lines.append(
+        verdict(f"failure latency (median) under {FAILURE_GOAL_S} s", latencies, lambda s: s < FAILURE_GOAL_S, lambda s: f"{s:.3f} s")
+    )
+    return "\n".join(lines)
+
+
+def verdict(goal: str, values: dict[int, float | None], ok: Callable, show: Callable) -> str:
+    shown = ", ".join(f"N={n}: {'missing' if v is None else show(v)}" for n, v in values.items())
+    if any(v is None for v in values.values()):
+        state = "UNKNOWN (a measurement is missing)"
+    elif all(ok(v) for v in values.values()):
+        state = "holds"
+    else:
+        state = "NOT MET"
+    return f"  fanrun {goal}: {state} ({shown})"
+
+
+def as_json(cells: dict[tuple[int, str], Cell]) -> list[dict]:
+    return [
+        {"n": n, "launcher": name, "samples": cell.samples, "median": cell.median, "problem": cell.problem, "backends": sorted(cell.backends)}
+        for (n, name), cell in cells.items()
+    ]
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="N for the launch wall time")
+    parser.add_argument("--failure-ranks", type=int, nargs="+", default=[2], help="N for the failure latency")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per launcher and N")
+    parser.add_argument("--json", type=Path, help="also write every sample to this file")
+    args = parser.parse_args()
+    if args.repeat < 1 or min(args.ranks + args.failure_ranks) < 1:
+        parser.error("--repeat and every N must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    info = machine()
+    print("Machine: " + "; ".join(f"{key} {value}" for key, value in info.items()), flush=True)
+    log_path = Path(tempfile.mkstemp(prefix="fanrun-launch-bench-", suffix=".log")[1])
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fanrun-launch-bench-") as workdir:
+        session = Session(Path(workdir), log_path)
+        launch = run_launch(session, args.ranks, args.repeat)
+        failure = run_failure(session, args.failure_ranks, args.repeat)
+    print()
+    print(table(f"Launch wall time in seconds, median (min) of {args.repeat}", launch, args.ranks))
+    print()
+    title = f"Failure latency in seconds, from the raise in the last rank to the caller, median (min) of {args.repeat}"
+    print(table(title, failure, args.failure_ranks))
+    print()
+    print(goals(launch, failure, args.ranks, args.failure_ranks))
+    print()
+    print("Notes: " + ("\n  ".join(["", *session.notes]) if session.notes else "no process outlived its call"))
+    print(f"Total {time.monotonic() - started:.0f} s. Output of the launchers and ranks: {log_path}")
+    if args.json:
+        report = {"machine": info, "repeat": args.repeat, "launch": as_json(launch), "failure": as_json(failure), "notes": session.notes}
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

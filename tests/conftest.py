@@ -1,0 +1,31 @@
+"""Shared fixtures: a private runs directory for the session, and proof after every test
+that no process of any run it started is left."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from processes import processes_of_runs_under  # noqa: E402
+
+_RUNS = tempfile.mkdtemp(prefix="fanrun-test-runs-")
+# Set before any test runs, so that callers started as subprocesses inherit it too.
+os.environ["FANRUN_RUNS_DIR"] = _RUNS
+
+
+@pytest.fixture(scope="session")
+def runs_dir() -> Path:
+    return Path(_RUNS)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    yield
+    left = processes_of_runs_under(_RUNS)
+    assert not left, f"processes of fanrun runs are still alive after the test: {left}"

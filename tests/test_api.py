@@ -1,0 +1,161 @@
+"""The decorator's arguments: names kept from databricks.air and serverless_gpu, and every bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import fanrun
+from fanrun import AcceleratorType, GPUType, distributed
+from fanrun._accelerators import Gpu, Inventory, parse_accelerator_type, plan_run
+
+
+def identity(x):
+    return x
+
+
+def machine(count: int, name: str = "NVIDIA H200") -> Inventory:
+    gpus = tuple(Gpu(i, name, f"GPU-{i}", 141 << 30) for i in range(count))
+    return Inventory(gpus, gpus, "")
+
+
+NO_GPU = Inventory((), (), "libnvidia-ml.so.1 could not be loaded")
+
+
+def test_bare_and_called_forms_both_decorate():
+    bare = distributed(identity)
+    called = distributed()(identity)
+    assert isinstance(bare, fanrun.DistributedFunction)
+    assert isinstance(called, fanrun.DistributedFunction)
+    assert bare.__name__ == "identity"
+
+
+def test_direct_call_runs_in_process():
+    @distributed()
+    def add(a, b):
+        return a + b
+
+    assert add(2, 3) == 5
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_num_accelerators_below_one_names_the_machine(bad):
+    with pytest.raises(ValueError, match=rf"at least 1, not {bad}; this machine has"):
+        distributed(num_accelerators=bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, "2", True])
+def test_num_accelerators_must_be_an_int(bad):
+    with pytest.raises(TypeError, match="num_accelerators must be an int"):
+        distributed(num_accelerators=bad)
+
+
+def test_more_gpus_than_the_machine_has():
+    with pytest.raises(fanrun.AcceleratorMismatchError, match=r"num_accelerators=4, but this machine has 2 GPUs visible \(2 x NVIDIA H200\)"):
+        plan_run(4, None, machine(2))
+
+
+def test_default_uses_every_gpu():
+    plan = plan_run(None, None, machine(8, "NVIDIA H100 80GB HBM3"))
+    assert (plan.world_size, plan.use_gpus, plan.accelerator_type) == (8, True, "GPU_8xH100")
+
+
+def test_no_gpu_runs_cpu_processes():
+    plan = plan_run(None, None, NO_GPU)
+    assert (plan.world_size, plan.use_gpus) == (fanrun.DEFAULT_CPU_RANKS, False)
+    assert plan_run(5, None, NO_GPU).world_size == 5
+
+
+@pytest.mark.parametrize("value", ["GPU_8xH100", AcceleratorType.GPU_8xH100, " GPU_8xH100 "])
+def test_matching_type_is_accepted(value):
+    plan = plan_run(None, parse_accelerator_type(value), machine(8, "NVIDIA H100 80GB HBM3"))
+    assert plan.world_size == 8
+
+
+def test_a10_matches_an_a10g_but_not_an_a100():
+    assert plan_run(None, parse_accelerator_type("GPU_1xA10"), machine(1, "NVIDIA A10G")).use_gpus
+    with pytest.raises(fanrun.AcceleratorMismatchError, match=r"'GPU_1xA10' does not match this machine, which has 1 x NVIDIA A100-SXM4-80GB"):
+        plan_run(None, parse_accelerator_type("GPU_1xA10"), machine(1, "NVIDIA A100-SXM4-80GB"))
+
+
+def test_type_mismatch_names_both():
+    with pytest.raises(fanrun.AcceleratorMismatchError, match=r"'GPU_8xH100' does not match this machine, which has 2 x NVIDIA H200; use 'GPU_2xH200'"):
+        plan_run(None, parse_accelerator_type("GPU_8xH100"), machine(2))
+
+
+def test_gpu_type_on_a_machine_without_gpu():
+    with pytest.raises(fanrun.AcceleratorMismatchError, match="asks for GPUs, but this machine has no GPU"):
+        plan_run(None, parse_accelerator_type("GPU_1xH100"), NO_GPU)
+
+
+def test_gpu_type_without_gpu_fails_before_any_process_starts(runs_dir):
+    before = set(runs_dir.iterdir())
+
+    @distributed(accelerator_type="GPU_1xH100")
+    def never():
+        raise AssertionError("must not run")
+
+    with pytest.raises(fanrun.AcceleratorMismatchError):
+        never.distributed()
+    assert set(runs_dir.iterdir()) == before
+
+
+def test_cpu_type_runs_cpu_processes_on_a_gpu_machine():
+    plan = plan_run(3, parse_accelerator_type(AcceleratorType.CPU), machine(2))
+    assert (plan.world_size, plan.use_gpus, plan.accelerator_type) == (3, False, "CPU")
+
+
+@pytest.mark.parametrize("bad", ["H200x8", "GPU_8H100", "GPU_0xH100", "TPU"])
+def test_unknown_type_strings(bad):
+    with pytest.raises(ValueError, match="accelerator_type"):
+        parse_accelerator_type(bad)
+
+
+def test_type_of_wrong_kind():
+    with pytest.raises(TypeError, match="accelerator_type must be a string"):
+        distributed(accelerator_type=8)
+
+
+@pytest.mark.parametrize("legacy", ["A10", "h100", "B300", GPUType.H100])
+def test_legacy_type_values_warn_and_work(legacy):
+    with pytest.warns(FutureWarning, match="legacy name from serverless_gpu"):
+        request = parse_accelerator_type(legacy)
+    assert request.model == str(legacy).upper()
+    assert request.count is None
+
+
+def test_legacy_argument_names_warn_and_work():
+    with pytest.warns(FutureWarning, match="gpus= is a legacy name"):
+        decorated = distributed(gpus=2)(identity)
+    assert decorated._options.num_accelerators == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decorated = distributed(gpu_type="H100")(identity)
+    assert [w.category for w in caught] == [FutureWarning, FutureWarning]
+    assert decorated._options.accelerator.model == "H100"
+
+
+def test_old_and_new_name_together_is_a_type_error():
+    with pytest.raises(TypeError, match="num_accelerators or its legacy name gpus, not both"):
+        distributed(num_accelerators=2, gpus=2)
+    with pytest.raises(TypeError, match="accelerator_type or its legacy name gpu_type, not both"):
+        distributed(accelerator_type="GPU_1xH100", gpu_type="H100")
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan")])
+def test_timeout_must_be_positive(bad):
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        distributed(timeout=bad)
+
+
+def test_timeout_type_and_none():
+    with pytest.raises(TypeError, match="timeout must be a number"):
+        distributed(timeout="10")
+    assert distributed(timeout=None)(identity)._options.timeout is None
+    assert distributed()(identity)._options.timeout == 3 * 60 * 60
+
+
+def test_decorating_a_non_callable():
+    with pytest.raises(TypeError, match="decorates a function"):
+        distributed()(42)

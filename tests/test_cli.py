@@ -1,0 +1,73 @@
+"""fanrun run: scripts, modules and native programs on the same engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+FANRUN = [sys.executable, "-m", "fanrun"]
+
+
+def run(args, cwd=None, timeout=120):
+    return subprocess.run(FANRUN + args, capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def test_script_runs_on_every_rank_with_its_arguments(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'], sys.argv[1:], __name__)\n")
+    done = run(["run", "-n", "3", str(script), "--lr", "0.1"])
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        f"[rank{r}]: {r} 3 ['--lr', '0.1'] __main__" for r in range(3)
+    ]
+
+
+def test_console_script_and_module_mode(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "job.py").write_text("import os\nprint('module rank', os.environ['RANK'])\n")
+    fanrun_script = os.path.join(os.path.dirname(sys.executable), "fanrun")
+    done = subprocess.run([fanrun_script, "run", "-n", "2", "-m", "pkg.job"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[rank0]: module rank 0", "[rank1]: module rank 1"]
+
+
+def test_native_program_fans_out():
+    done = run(["run", "-n", "2", "--no-python", "/bin/sh", "-c", "echo native $RANK of $WORLD_SIZE on $MASTER_ADDR"])
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[rank0]: native 0 of 2 on 127.0.0.1", "[rank1]: native 1 of 2 on 127.0.0.1"]
+
+
+def test_native_failure_exit_code_is_the_root_causes():
+    done = run(["run", "-n", "2", "--no-python", "/bin/sh", "-c", 'if [ "$RANK" = 1 ]; then echo dying >&2; exit 7; fi; sleep 60'])
+    assert done.returncode == 7
+    assert "Rank 1 of 2" in done.stderr and "exited with code 7" in done.stderr
+    assert "dying" in done.stderr
+
+
+def test_script_exception_is_reported(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, time
+        if os.environ["RANK"] == "0":
+            raise RuntimeError("script broke")
+        time.sleep(60)
+        """
+    ))
+    done = run(["run", "-n", "2", str(script)])
+    assert done.returncode == 1
+    assert "[rank0]: RuntimeError: script broke" in done.stderr
+    assert "fanrun: a rank failed: RuntimeError: [rank 0] script broke" in done.stderr
+
+
+def test_bad_arguments_are_reported_before_anything_starts():
+    done = run(["run", "-n", "0", "--no-python", "true"])
+    assert done.returncode == 1 and "-n must be at least 1" in done.stderr
+    done = run(["run", "--no-python", "/nonexistent/program"])
+    assert done.returncode == 1 and "Cannot run '/nonexistent/program': no such file" in done.stderr
+    done = run(["run", "--accelerator-type", "GPU_8xH100", "--no-python", "true"])
+    assert done.returncode == 1 and "asks for GPUs, but this machine has no GPU" in done.stderr

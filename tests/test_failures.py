@@ -1,0 +1,214 @@
+"""What the caller sees when a rank fails: each failure of the contract, made to happen."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import fanrun
+from fanrun import distributed
+from fanrun._errors import RemoteTraceback
+
+
+class CustomError(Exception):
+    def __init__(self, message, code):
+        super().__init__(message, code)
+        self.code = code
+
+
+@distributed(num_accelerators=3)
+def rank_one_raises(kind: str):
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        if kind == "value":
+            raise ValueError("the data is bad")
+        if kind == "custom":
+            raise CustomError("custom trouble", 42)
+        if kind == "unpicklable":
+
+            class LocalError(Exception):
+                def __init__(self):  # cannot be re-created from its args
+                    super().__init__("local trouble", threading_lock())
+
+            raise LocalError()
+    time.sleep(60)  # the others would wait for a collective that never comes
+
+
+def threading_lock():
+    import threading
+
+    return threading.Lock()
+
+
+def test_exception_is_reraised_with_its_type_rank_and_remote_traceback():
+    started = time.monotonic()
+    with pytest.raises(ValueError) as caught:
+        rank_one_raises.distributed("value")
+    assert time.monotonic() - started < 20  # the sleeping ranks were stopped, not waited for
+    error = caught.value
+    assert str(error) == "[rank 1] the data is bad"
+    assert isinstance(error.__cause__, RemoteTraceback)
+    remote = str(error.__cause__)
+    assert "Traceback from rank 1" in remote
+    assert 'raise ValueError("the data is bad")' in remote  # the source line, looked up in the caller
+    assert any("raised on rank 1 of 3" in note for note in error.__notes__)
+
+
+def test_custom_exception_keeps_its_type_and_attributes():
+    with pytest.raises(CustomError) as caught:
+        rank_one_raises.distributed("custom")
+    assert caught.value.code == 42
+    assert caught.value.args[0] == "custom trouble"
+
+
+def test_exception_that_cannot_be_recreated_is_reported_by_name():
+    with pytest.raises(fanrun.RankFailedError, match=r"Rank 1 of 3 \(pid \d+\) raised .*LocalError: .*local trouble") as caught:
+        rank_one_raises.distributed("unpicklable")
+    assert caught.value.rank == 1
+    assert isinstance(caught.value.__cause__, RemoteTraceback)
+
+
+def test_exit_code_is_reported_with_the_stderr_tail():
+    @distributed(num_accelerators=2)
+    def exits():
+        import os
+        import sys
+        import time
+
+        if os.environ["RANK"] == "0":
+            print("about to exit badly", file=sys.stderr, flush=True)
+            os._exit(3)
+        time.sleep(60)
+
+    with pytest.raises(fanrun.RankFailedError, match=r"Rank 0 of 2 \(pid \d+\) exited with code 3") as caught:
+        exits.distributed()
+    error = caught.value
+    assert error.exit_code == 3 and error.rank == 0
+    assert "about to exit badly" in str(error)
+    assert error.log_path.endswith("rank_0.log")
+
+
+def test_sigkill_suggests_the_oom_killer():
+    @distributed(num_accelerators=2)
+    def killed():
+        import os
+        import signal
+        import time
+
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    with pytest.raises(fanrun.RankFailedError, match=r"Rank 1 of 2 \(pid \d+\) was killed by SIGKILL; the kernel's out-of-memory killer is a likely cause") as caught:
+        killed.distributed()
+    assert caught.value.signal_name == "SIGKILL"
+
+
+def test_segfault_shows_the_python_stack_from_faulthandler():
+    @distributed(num_accelerators=1)
+    def crashes():
+        import ctypes
+
+        ctypes.string_at(0)
+
+    with pytest.raises(fanrun.RankFailedError, match="killed by SIGSEGV, a crash in native code") as caught:
+        crashes.distributed()
+    assert "Fatal Python error: Segmentation fault" in str(caught.value)
+
+
+def test_sys_exit_with_a_code_is_a_failure_and_without_is_a_return():
+    @distributed(num_accelerators=2)
+    def leaves(code):
+        import sys
+
+        sys.exit(code)
+
+    assert leaves.distributed(0) == [None, None]
+    with pytest.raises(fanrun.RankFailedError, match=r"called sys.exit\(4\)") as caught:
+        leaves.distributed(4)
+    assert caught.value.exit_code == 4
+
+
+def test_exit_without_a_result_is_reported():
+    @distributed(num_accelerators=1)
+    def vanishes():
+        import os
+
+        os._exit(0)
+
+    with pytest.raises(fanrun.RankFailedError, match="exited with code 0 but returned no result"):
+        vanishes.distributed()
+
+
+def test_timeout_dumps_every_stack_then_names_the_running_ranks():
+    @distributed(num_accelerators=2, timeout=3)
+    def hangs_in_a_named_place():
+        import time
+
+        def waiting_for_a_collective_that_never_comes():
+            time.sleep(120)
+
+        waiting_for_a_collective_that_never_comes()
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as caught:
+        hangs_in_a_named_place.distributed()
+    assert time.monotonic() - started < 30
+    error = caught.value
+    assert isinstance(error, fanrun.RunTimeoutError)
+    assert error.running_ranks == [0, 1]
+    assert "timed out after 3 s; ranks still running: 0, 1" in str(error)
+    for rank in (0, 1):
+        assert any("waiting_for_a_collective_that_never_comes" in line for line in error.stacks[rank])
+
+
+def test_unpicklable_argument_is_named_before_any_process_starts(runs_dir):
+    before = set(runs_dir.iterdir())
+
+    @distributed(num_accelerators=2)
+    def uses(resource):
+        return 1
+
+    with pytest.raises(fanrun.PayloadSerializationError, match=r"positional argument 0 is a _thread.lock, which cannot be pickled.*Create it inside the function"):
+        uses.distributed(threading.Lock())
+    with pytest.raises(fanrun.PayloadSerializationError, match=r"argument 'resource' is a _thread.lock"):
+        uses.distributed(resource=threading.Lock())
+    assert set(runs_dir.iterdir()) == before
+
+
+def test_unpicklable_captured_variable_is_named():
+    lock = threading.Lock()
+
+    @distributed(num_accelerators=2)
+    def captures():
+        with lock:
+            return 1
+
+    with pytest.raises(TypeError, match=r"the variable 'lock' captured by .*captures' is a _thread.lock"):
+        captures.distributed()
+
+
+def test_unpicklable_return_value_names_the_rank_and_type():
+    @distributed(num_accelerators=2)
+    def returns_a_lock():
+        import os
+        import threading
+
+        return threading.Lock() if os.environ["RANK"] == "1" else 0
+
+    with pytest.raises(fanrun.ResultSerializationError, match=r"Rank 1 returned a value of type _thread.lock that cannot be pickled") as caught:
+        returns_a_lock.distributed()
+    assert caught.value.rank == 1
+    assert isinstance(caught.value, TypeError)
+
+
+def test_missing_executable_is_an_error_before_the_run(monkeypatch):
+    from fanrun import _accelerators, _launcher
+
+    plan = _accelerators.plan_run(2, None, _accelerators.detect())
+    with pytest.raises(fanrun.FanrunError, match="Rank 0 could not start: Cannot run '/nonexistent/python'"):
+        _launcher.run(name="x", plan=plan, program=_launcher.RankProgram.native(["/nonexistent/python"]), timeout=None)

@@ -1,0 +1,180 @@
+"""Running a function on every rank: results, environment, what travels, runs side by side."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import fanrun
+from fanrun import distributed
+
+TORCHRUN_VARIABLES = [
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+    "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+]
+
+
+@distributed(num_accelerators=3)
+def rank_environment():
+    import os
+    import sys
+
+    return {
+        "env": {k: os.environ.get(k) for k in TORCHRUN_VARIABLES + ["OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "FANRUN_TEST_MARK"]},
+        "cwd": os.getcwd(),
+        "executable": sys.executable,
+        "path_has_marker": "/fanrun-test-path-marker" in sys.path,
+        "pid": os.getpid(),
+    }
+
+
+def test_results_come_back_in_rank_order_with_torchrun_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FANRUN_TEST_MARK", "inherited")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend("/fanrun-test-path-marker")
+    results = rank_environment.distributed()
+    assert [r["env"]["RANK"] for r in results] == ["0", "1", "2"]
+    ports = {r["env"]["MASTER_PORT"] for r in results}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    pids = {r["pid"] for r in results}
+    assert len(pids) == 3 and os.getpid() not in pids
+    for rank, r in enumerate(results):
+        assert r["env"]["LOCAL_RANK"] == str(rank) and r["env"]["ROLE_RANK"] == str(rank)
+        assert r["env"]["WORLD_SIZE"] == r["env"]["LOCAL_WORLD_SIZE"] == "3"
+        assert r["env"]["GROUP_RANK"] == r["env"]["NODE_RANK"] == "0"
+        assert r["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert r["env"]["OMP_NUM_THREADS"] == "1"
+        assert r["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert r["env"]["FANRUN_TEST_MARK"] == "inherited"
+        assert r["cwd"] == str(tmp_path)
+        assert r["executable"] == sys.executable
+        assert r["path_has_marker"]
+
+
+def test_callers_own_thread_setting_wins(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    env = rank_environment.distributed()[0]["env"]
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_arguments_and_closures_travel():
+    scale = 10
+
+    @distributed(num_accelerators=2)
+    def scaled(values, *, offset):
+        import os
+
+        return [v * scale + offset + int(os.environ["RANK"]) for v in values]
+
+    assert scaled.distributed([1, 2], offset=5) == [[15, 25], [16, 26]]
+
+
+def test_function_and_class_defined_in_main(tmp_path):
+    script = tmp_path / "notebook_like.py"
+    script.write_text(textwrap.dedent(
+        """
+        from fanrun import distributed
+
+        class Accumulator:
+            def __init__(self, start):
+                self.total = start
+            def add(self, value):
+                self.total += value
+                return self
+
+        def helper(x):
+            return x * 2
+
+        @distributed(num_accelerators=2)
+        def run(start):
+            import os
+            return Accumulator(start).add(helper(int(os.environ["RANK"])))
+
+        results = run.distributed(100)
+        print(type(results[0]).__name__, [r.total for r in results])
+        """
+    ))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "Accumulator [100, 102]"
+
+
+def test_large_return_values_arrive_whole():
+    @distributed(num_accelerators=2)
+    def big():
+        import os
+
+        rank = int(os.environ["RANK"])
+        return bytes([rank]) * (200 * 1024 * 1024)
+
+    results = big.distributed()
+    assert [len(r) for r in results] == [200 * 1024 * 1024] * 2
+    assert results[0][:1] == b"\x00" and results[1][-1:] == b"\x01"
+
+
+def test_large_argument_is_sent_once_and_read_by_every_rank():
+    blob = os.urandom(64 * 1024 * 1024)
+
+    @distributed(num_accelerators=2)
+    def digest(data):
+        import hashlib
+
+        return hashlib.sha256(data).hexdigest()
+
+    import hashlib
+
+    assert digest.distributed(blob) == [hashlib.sha256(blob).hexdigest()] * 2
+
+
+def test_two_calls_at_once_get_their_own_ports_and_results():
+    @distributed(num_accelerators=2)
+    def all_reduce(value):
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        t = torch.tensor([value + dist.get_rank()])
+        dist.all_reduce(t)
+        port = os.environ["MASTER_PORT"]
+        dist.destroy_process_group()
+        return int(t.item()), port
+
+    outcomes: dict[int, object] = {}
+
+    def call(value):
+        try:
+            outcomes[value] = all_reduce.distributed(value)
+        except BaseException as error:  # reported below
+            outcomes[value] = error
+
+    threads = [threading.Thread(target=call, args=(v,)) for v in (10, 1000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r[0] for r in outcomes[10]] == [21, 21]
+    assert [r[0] for r in outcomes[1000]] == [2001, 2001]
+    assert outcomes[10][0][1] != outcomes[1000][0][1]
+
+
+def test_results_files_are_private_and_removed(runs_dir):
+    @distributed(num_accelerators=1)
+    def where():
+        import os
+        import stat
+
+        run_dir = os.environ["FANRUN_RUN_DIR"]
+        return run_dir, stat.S_IMODE(os.stat(run_dir).st_mode), stat.S_IMODE(os.stat(run_dir + "/payload.pkl").st_mode)
+
+    run_dir, dir_mode, payload_mode = where.distributed()[0]
+    assert (dir_mode, payload_mode) == (0o700, 0o600)
+    assert sorted(os.listdir(run_dir)) == ["rank_0.log"]
+
+
+def test_version_is_exposed():
+    assert fanrun.__version__
