@@ -70,11 +70,12 @@ def run(
     """Runs `program` on every rank of `plan`; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause."""
     paths = RunPaths.create(name)
-    if payload is not None:
-        write_private(paths.payload, pickle.dumps({"sys_path": list(sys.path)}), payload)
     world_size = plan.world_size
-    rendezvous = Rendezvous()
+    rendezvous = None
     try:
+        if payload is not None:
+            write_private(paths.payload, pickle.dumps({"sys_path": list(sys.path)}), payload)
+        rendezvous = Rendezvous(host_store=program.python)
         envs = [
             _flatten(rank_environment(os.environ, rank, plan, rendezvous.environment(), paths))
             for rank in range(world_size)
@@ -110,7 +111,8 @@ def run(
                 mux.close()
         return _outcome(name, supervisor, paths, mux, stacks, timeout, collect=payload is not None)
     finally:
-        rendezvous.close()
+        if rendezvous is not None:
+            rendezvous.close()
         paths.remove_bulky_files(world_size)
 
 

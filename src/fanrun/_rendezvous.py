@@ -1,10 +1,10 @@
 """The run's rendezvous point: a port on 127.0.0.1 that the caller picks and holds.
 
-Where torch is importable the caller hosts torch's TCPStore on that port itself, as
-torchrun's agent does, and the ranks join it as clients (TORCHELASTIC_USE_AGENT_STORE):
-the port is held from the moment it is chosen to the end of the run, so two runs on
-one machine never collide. Without torch the port is released just before the ranks
-start, for rank 0 to bind.
+For Python ranks, where torch is importable, the caller hosts torch's TCPStore on that
+port itself, as torchrun's agent does, and the ranks join it as clients
+(TORCHELASTIC_USE_AGENT_STORE): the port is held from the moment it is chosen to the end
+of the run, so two runs on one machine never collide. Otherwise the port is released just
+before the ranks start, for rank 0 (or the native program) to bind.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ LOOPBACK = "127.0.0.1"
 
 
 class Rendezvous:
-    def __init__(self) -> None:
+    def __init__(self, host_store: bool) -> None:
         self._socket: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind((LOOPBACK, 0))
         self._socket.listen(1024)
         self.port: int = self._socket.getsockname()[1]
         self._store = None
-        if importlib.util.find_spec("torch") is not None:
+        if host_store and importlib.util.find_spec("torch") is not None:
             self._store = _host_store(self._socket, self.port)
 
     @property
