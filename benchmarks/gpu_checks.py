@@ -65,42 +65,61 @@ def train_and_maybe_fail(mode: str, steps: int = 400) -> float:
     return loss.item()
 
 
+def scenario(name: str, body) -> None:
+    """Runs one scenario; a failure is reported and the next scenario still runs."""
+    started = time.monotonic()
+    try:
+        outcome = body()
+    except BaseException as error:  # reported, not raised: the other scenarios still run
+        outcome = f"FAILED with {type(error).__name__}: {error}"
+    report(name, started, outcome)
+
+
+def ddp_demo() -> str:
+    from ddp_demo import run_train
+
+    results = run_train.distributed(num_epochs=3, batch_size=256)
+    devices = [r["device"] for r in results]
+    return f"{len(results)} ranks on {devices}, loss {results[0]['losses'][0]:.4f} -> {results[0]['losses'][-1]:.4f}"
+
+
+def cuda_live_in_caller() -> str:
+    # The case where notebook launchers built on fork fail: CUDA is live in the caller.
+    held = torch.ones(1024, 1024, device="cuda")
+    losses = train_and_maybe_fail.distributed("none", steps=50)
+    del held
+    return f"returned {losses}"
+
+
+def failing(mode: str, expected: type):
+    def body() -> str:
+        try:
+            train_and_maybe_fail.distributed(mode)
+        except expected as error:
+            return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        return "no error (unexpected)"
+
+    return body
+
+
+def hung_collective() -> str:
+    hang = distributed(timeout=20)(train_and_maybe_fail.__wrapped__)
+    try:
+        hang.distributed("hang")
+    except TimeoutError as error:
+        named = sorted(r for r, lines in error.stacks.items() if any("train_and_maybe_fail" in line for line in lines))
+        return f"TimeoutError, ranks running {error.running_ranks}, stacks naming the function from ranks {named}"
+    return "no error (unexpected)"
+
+
 def main() -> None:
     print(f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     print(f"before: GPU processes: [{gpu_processes() or 'none'}]; memory used: {memory_used()}", flush=True)
-
-    from ddp_demo import run_train
-
-    started = time.monotonic()
-    results = run_train.distributed(num_epochs=3, batch_size=256)
-    report("DDP demo, @distributed() on every GPU with NCCL", started,
-           f"{len(results)} ranks on {[r['device'] for r in results]}, loss {results[0]['losses'][0]:.4f} -> {results[0]['losses'][-1]:.4f}")
-
-    # The case where notebook launchers built on fork fail: CUDA is live in the caller.
-    held = torch.ones(1024, 1024, device="cuda")
-    started = time.monotonic()
-    losses = train_and_maybe_fail.distributed("none", steps=50)
-    report("caller initialised CUDA first", started, f"returned {losses}")
-    del held
-
-    for mode, expected in (("raise", RuntimeError), ("sigkill", fanrun.RankFailedError)):
-        started = time.monotonic()
-        try:
-            train_and_maybe_fail.distributed(mode)
-            outcome = "no error (unexpected)"
-        except expected as error:
-            outcome = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-        report(f"rank 1 fails mid-training ({mode})", started, outcome)
-
-    hang = distributed(timeout=20)(train_and_maybe_fail.__wrapped__)
-    started = time.monotonic()
-    try:
-        hang.distributed("hang")
-        outcome = "no error (unexpected)"
-    except TimeoutError as error:
-        ranks_with_stack = sorted(r for r, lines in error.stacks.items() if any("train_and_maybe_fail" in l for l in lines))
-        outcome = f"TimeoutError, ranks running {error.running_ranks}, stacks naming the function from ranks {ranks_with_stack}"
-    report("rank 1 hangs, rank 0 waits in NCCL (timeout=20 s)", started, outcome)
+    scenario("DDP demo, @distributed() on every GPU with NCCL", ddp_demo)
+    scenario("caller initialised CUDA first", cuda_live_in_caller)
+    scenario("rank 1 raises mid-training", failing("raise", RuntimeError))
+    scenario("rank 1 is SIGKILLed mid-training", failing("sigkill", fanrun.RankFailedError))
+    scenario("rank 1 hangs, rank 0 waits in NCCL (timeout=20 s)", hung_collective)
 
 
 if __name__ == "__main__":
