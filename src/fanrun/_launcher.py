@@ -35,7 +35,6 @@ RANK_DEFAULTS = {
     "GLOO_SOCKET_IFNAME": "lo",
     "NCCL_SOCKET_IFNAME": "lo",
 }
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 
 @dataclasses.dataclass
@@ -47,12 +46,12 @@ class RankProgram:
 
     @classmethod
     def function(cls) -> RankProgram:
-        return cls([sys.executable, "-u", "-c", bootstrap_code(_PACKAGE_PARENT), "function"], True)
+        return cls([sys.executable, "-u", "-c", bootstrap_code(), "function"], True)
 
     @classmethod
     def script(cls, path: str, args: list[str], module: bool = False) -> RankProgram:
         mode = "module" if module else "script"
-        return cls([sys.executable, "-u", "-c", bootstrap_code(_PACKAGE_PARENT), mode, path, *args], True)
+        return cls([sys.executable, "-u", "-c", bootstrap_code(), mode, path, *args], True)
 
     @classmethod
     def native(cls, argv: list[str]) -> RankProgram:

@@ -1,7 +1,8 @@
 """What runs inside each rank: read the call, run it, send back a result or an error envelope.
 
-Started as `python -u -c <bootstrap> function|script|module ...` in a fresh interpreter;
-imports nothing heavy before the user's code does.
+Started as `python -u -c <bootstrap> function|script|module ...` in a fresh interpreter.
+It is run as a file, not imported from the fanrun package, and imports only the standard
+library: a rank's start-up time is the user's imports and nothing more.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ STACK_DUMP_SIGNAL = signal.SIGUSR2
 _FAILED = b"failed\n"
 
 
-def bootstrap_code(package_parent: str) -> str:
-    """The -c program of a rank: makes fanrun importable, then hands over to main()."""
-    return f"import sys; sys.path.append({package_parent!r}); from fanrun._worker import main; main()"
+def bootstrap_code() -> str:
+    """The -c program of a rank: runs this file and hands over to its main()."""
+    return f"import runpy; runpy.run_path({__file__!r})['main']()"
 
 
 def main() -> None:
