@@ -19,8 +19,11 @@ from fanrun import distributed  # noqa: E402
 
 
 def gpu_processes() -> str:
+    """GPU processes other than this caller, which holds a CUDA context of its own from
+    the scenario that initialises CUDA before launching."""
     query = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"]
-    return subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    lines = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
+    return "; ".join(line for line in lines if line.split(",")[0].strip() != str(os.getpid()))
 
 
 def memory_used() -> str:
@@ -30,7 +33,7 @@ def memory_used() -> str:
 
 def report(name: str, started: float, outcome: str) -> None:
     print(f"== {name}: {outcome} in {time.monotonic() - started:.2f} s")
-    print(f"   after: GPU processes: [{gpu_processes() or 'none'}]; memory used: {memory_used()}", flush=True)
+    print(f"   after: GPU processes other than the caller: [{gpu_processes() or 'none'}]; memory used: {memory_used()}", flush=True)
 
 
 @distributed()
