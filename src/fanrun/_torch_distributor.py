@@ -1,0 +1,72 @@
+"""TorchDistributor with the constructor and run() of pyspark.ml.torch.distributor, on
+fanrun's engine: code written for Spark's launcher runs unchanged on this machine, without Spark."""
+
+from __future__ import annotations
+
+import numbers
+import os
+import warnings
+from typing import Any, Callable
+
+from . import _accelerators, _launcher
+from ._decorator import DEFAULT_TIMEOUT, distributed
+from ._errors import AcceleratorMismatchError
+
+
+class TorchDistributor:
+    """`TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(train_fn, *args)`
+    runs `train_fn` on that many ranks and returns rank 0's result, as Spark's does; `run`
+    also takes the path of a `.py` file, whose arguments are passed as strings."""
+
+    def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True, _ssl_conf: Any = None) -> None:
+        if isinstance(num_processes, bool) or not isinstance(num_processes, numbers.Integral):
+            raise TypeError(f"num_processes must be an int, not {type(num_processes).__name__}")
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be at least 1, not {num_processes}")
+        for name, value in (("local_mode", local_mode), ("use_gpu", use_gpu)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, not {value!r}")
+        if not local_mode:
+            # Spark would spread the processes over its executors; there is one machine here.
+            warnings.warn(
+                "local_mode=False spreads processes over a Spark cluster; fanrun runs them all on this machine",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.num_processes = int(num_processes)
+        self.local_mode = local_mode
+        self.use_gpu = use_gpu
+
+    def run(self, train_object: Callable | str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        """Rank 0's return value for a function; None for a file."""
+        accelerator = None if self.use_gpu else _accelerators.AcceleratorType.CPU
+        if isinstance(train_object, (str, os.PathLike)):
+            return self._run_file(os.fspath(train_object), args, kwargs)
+        if not callable(train_object):
+            raise TypeError(f"train_object must be a function or the path of a .py file, not {type(train_object).__name__}")
+        self._check_gpus()
+        function = distributed(num_accelerators=self.num_processes, accelerator_type=accelerator)(train_object)
+        return function.distributed(*args, **kwargs)[0]
+
+    def _run_file(self, path: str, args: tuple, kwargs: dict) -> None:
+        if kwargs:
+            raise TypeError("a .py file takes its arguments as strings in *args, not keyword arguments")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"train_object {path!r} is neither a function nor an existing file")
+        self._check_gpus()
+        request = None if self.use_gpu else _accelerators.parse_accelerator_type("CPU")
+        plan = _accelerators.plan_run(self.num_processes, request, _accelerators.detect())
+        _launcher.run(
+            name=os.path.basename(path),
+            plan=plan,
+            program=_launcher.RankProgram.script(path, [str(a) for a in args]),
+            timeout=DEFAULT_TIMEOUT,
+        )
+        return None
+
+    def _check_gpus(self) -> None:
+        inventory = _accelerators.detect()
+        if self.use_gpu and not inventory.visible:
+            raise AcceleratorMismatchError(
+                f"use_gpu=True, but this machine has {inventory.describe()}; pass use_gpu=False to run CPU processes"
+            )

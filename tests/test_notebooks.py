@@ -1,0 +1,89 @@
+"""Notebooks executed cell by cell in a real Jupyter kernel (ipykernel through nbclient)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from processes import wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from notebook_format import notebook_of  # noqa: E402
+
+
+def stream_text(cell, name: str = "stdout") -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == name)
+
+
+def run_notebook(path: Path, tmp_path: Path, monkeypatch) -> nbformat.NotebookNode:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    return notebook
+
+
+@pytest.mark.parametrize("name", ["ddp_quickstart", "fsdp"])
+def test_notebook_is_the_script(name):
+    """The notebook in examples/ is exactly the importable script's cells."""
+    script = notebook_of(EXAMPLES / f"{name}.py")
+    notebook = nbformat.read(EXAMPLES / f"{name}.ipynb", as_version=4)
+    assert [(c.cell_type, c.source) for c in notebook.cells] == [(c.cell_type, c.source) for c in script.cells]
+
+
+def test_ddp_quickstart_in_a_kernel(tmp_path, monkeypatch):
+    notebook = run_notebook(EXAMPLES / "ddp_quickstart.ipynb", tmp_path, monkeypatch)
+    training_cell, check_cell = notebook.cells[-2], notebook.cells[-1]
+    live = stream_text(training_cell)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: epoch 0: loss" in live and f"[rank{rank}]: epoch 2: loss" in live
+        assert f"rank {rank} on cpu: loss" in live
+    assert "2 ranks trained; the loss went down on every one." in stream_text(check_cell)
+
+
+def test_fsdp_in_a_kernel(tmp_path, monkeypatch):
+    notebook = run_notebook(EXAMPLES / "fsdp.ipynb", tmp_path, monkeypatch)
+    training_cell, check_cell = notebook.cells[-2], notebook.cells[-1]
+    live = stream_text(training_cell)
+    for wrapper in ("fully_shard", "FullyShardedDataParallel"):
+        assert f"[rank0]: {wrapper} step 0: loss" in live
+        for rank in (0, 1):
+            assert f"{wrapper} rank {rank}: loss" in live and "restored model differs by 0.00e+00" in live
+    assert "FSDP2 and FSDP1 trained; both checkpoints restored exactly." in stream_text(check_cell)
+
+
+def test_kernel_interrupt_stops_every_rank_and_keeps_the_kernel(tmp_path, monkeypatch):
+    pid_file = tmp_path / "pids"
+    monkeypatch.setenv("FANRUN_TEST_PID_FILE", str(pid_file))
+    notebook = nbformat.read(Path(__file__).parent / "notebooks" / "interrupt.ipynb", as_version=4)
+    client = NotebookClient(notebook, timeout=120, kernel_name="python3", allow_errors=True)
+
+    async def scenario() -> list[int]:
+        async with client.async_setup_kernel():
+            await client.async_execute_cell(notebook.cells[0], 0)
+            running = asyncio.ensure_future(client.async_execute_cell(notebook.cells[1], 1))
+            deadline = time.monotonic() + 60
+            while len(pid_file.read_text().split() if pid_file.exists() else []) < 2:
+                assert time.monotonic() < deadline, "the ranks never started"
+                assert not running.done(), notebook.cells[1].outputs
+                await asyncio.sleep(0.1)
+            pids = [int(p) for p in pid_file.read_text().split()]
+            await client.km.interrupt_kernel()
+            await asyncio.wait_for(running, 60)
+            await client.async_execute_cell(notebook.cells[2], 2)
+            return pids
+
+    pids = asyncio.run(scenario())
+    errors = [o for o in notebook.cells[1].outputs if o.output_type == "error"]
+    assert [e.ename for e in errors] == ["KeyboardInterrupt"]
+    assert "[rank0]: rank waiting 0" in stream_text(notebook.cells[1])
+    assert stream_text(notebook.cells[2]) == "after the interrupt: [10, 11]\n"
+    assert wait_gone(pids, timeout=5) == []
