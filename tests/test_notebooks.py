@@ -31,7 +31,7 @@ def run_notebook(path: Path, tmp_path: Path, monkeypatch) -> nbformat.NotebookNo
     return notebook
 
 
-@pytest.mark.parametrize("name", ["ddp_quickstart", "fsdp"])
+@pytest.mark.parametrize("name", ["ddp_quickstart", "fsdp", "from_torchdistributor"])
 def test_notebook_is_the_script(name):
     """The notebook in examples/ is exactly the importable script's cells."""
     script = notebook_of(EXAMPLES / f"{name}.py")
@@ -58,6 +58,15 @@ def test_fsdp_in_a_kernel(tmp_path, monkeypatch):
         for rank in (0, 1):
             assert f"{wrapper} rank {rank}: loss" in live and "restored model differs by 0.00e+00" in live
     assert "FSDP2 and FSDP1 trained; both checkpoints restored exactly." in stream_text(check_cell)
+
+
+def test_from_torchdistributor_in_a_kernel(tmp_path, monkeypatch):
+    notebook = run_notebook(EXAMPLES / "from_torchdistributor.ipynb", tmp_path, monkeypatch)
+    spark_form, fanrun_form, check = notebook.cells[-3], notebook.cells[-2], notebook.cells[-1]
+    assert "[rank1]: rank 1: loss" in stream_text(spark_form)
+    assert "TorchDistributor returned {'rank': 0," in stream_text(spark_form)
+    assert "@distributed returned [{'rank': 0," in stream_text(fanrun_form)
+    assert "TorchDistributor returned rank 0's result." in stream_text(check)
 
 
 def test_kernel_interrupt_stops_every_rank_and_keeps_the_kernel(tmp_path, monkeypatch):
