@@ -31,7 +31,7 @@ def run_notebook(path: Path, tmp_path: Path, monkeypatch) -> nbformat.NotebookNo
     return notebook
 
 
-@pytest.mark.parametrize("name", ["ddp_quickstart", "fsdp", "from_torchdistributor"])
+@pytest.mark.parametrize("name", ["ddp_quickstart", "fsdp", "deepspeed_zero", "from_torchdistributor"])
 def test_notebook_is_the_script(name):
     """The notebook in examples/ is exactly the importable script's cells."""
     script = notebook_of(EXAMPLES / f"{name}.py")
@@ -58,6 +58,17 @@ def test_fsdp_in_a_kernel(tmp_path, monkeypatch):
         for rank in (0, 1):
             assert f"{wrapper} rank {rank}: loss" in live and "restored model differs by 0.00e+00" in live
     assert "FSDP2 and FSDP1 trained; both checkpoints restored exactly." in stream_text(check_cell)
+
+
+def test_deepspeed_zero_in_a_kernel(tmp_path, monkeypatch):
+    notebook = run_notebook(EXAMPLES / "deepspeed_zero.ipynb", tmp_path, monkeypatch)
+    training_cell, check_cell = notebook.cells[-2], notebook.cells[-1]
+    live = stream_text(training_cell)
+    for stage in (2, 3):
+        assert f"[rank0]: ZeRO-{stage} step 0: loss" in live
+        for rank in (0, 1):
+            assert f"ZeRO-{stage} rank {rank}: loss" in live
+    assert "ZeRO-2 and ZeRO-3 trained; both checkpoints restored exactly." in stream_text(check_cell)
 
 
 def test_from_torchdistributor_in_a_kernel(tmp_path, monkeypatch):
