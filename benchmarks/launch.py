@@ -1,4 +1,4 @@
-"""Launch wall time and failure latency of fanrun beside mp.spawn, torchrun and Accelerate's notebook_launcher."""
+"""Benchmark: launch wall time and failure latency of fanrun, mp.spawn, torchrun and notebook_launcher."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import functools
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,17 +33,20 @@ GOAL_PEERS = ("mp.spawn", "torchrun")
 NOISE = 0.05  # a ratio up to 1 + NOISE still counts as "no slower"
 FAILURE_GOAL_S = 0.5
 # Long enough that only the launcher stopping them ends the ranks that did not fail.
-SLEEP_S = 60.0
-# A hung call ends as an error after this long instead of stalling the whole run.
-CALL_TIMEOUT_S = 150.0
-# How long processes may outlive a call (a launcher's own SIGTERM grace) before they count as left over.
+SLEEP_S = 30.0
+# A call still running after this long is hung: its processes are killed and it counts as an
+# error, instead of stalling the whole run (notebook_launcher's forked ranks can deadlock).
+CALL_TIMEOUT_S = 60.0
+# How long processes may outlive their call (a launcher's own SIGTERM grace) before they
+# count as left over.
 LEFTOVER_WAIT_S = 10.0
 # Every launcher can run 2 ranks (notebook_launcher runs 1 in the caller), so warm-up uses 2.
 WARMUP_RANKS = 2
 MARKER_VAR = "FANRUN_BENCH_MARKER"
 INJECTED = "failure injected by the benchmark"
 
-# torchrun runs a script file: this one loads the benchmark by path and calls one of its rank functions.
+# torchrun runs a script file: this one loads the benchmark by path and calls one of its
+# rank functions.
 TORCHRUN_WORKER = """\
 import importlib.util
 import sys
@@ -85,7 +90,7 @@ def fail_or_sleep(directory: str) -> None:
         time.sleep(SLEEP_S)
         return
     # Waiting for the others makes the figure the time to stop running ranks, not starting ones.
-    deadline = time.monotonic() + CALL_TIMEOUT_S / 2
+    deadline = time.monotonic() + SLEEP_S
     while len(list(Path(directory).glob("up*"))) < world_size and time.monotonic() < deadline:
         time.sleep(0.01)
     Path(directory, "raised_at").write_text(repr(time.time()))
@@ -105,10 +110,14 @@ class NotApplicable(Exception):
     """The launcher cannot run this case at all."""
 
 
-def run_fanrun(n: int, fn: Callable[[str], object], directory: str) -> list | None:
+class Hung(Exception):
+    """The call did not end by itself within CALL_TIMEOUT_S."""
+
+
+def run_fanrun(n: int, fn: Callable[[str], object], directory: str) -> list:
     from fanrun import distributed
 
-    return distributed(num_accelerators=n, timeout=CALL_TIMEOUT_S)(fn).distributed(directory)
+    return distributed(num_accelerators=n)(fn).distributed(directory)
 
 
 def run_spawn(n: int, fn: Callable[[str], object], directory: str) -> None:
@@ -120,12 +129,14 @@ def run_spawn(n: int, fn: Callable[[str], object], directory: str) -> None:
 
 def run_torchrun(n: int, fn: Callable[[str], object], directory: str, *, worker: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-    subprocess.run([*command, str(worker), fn.__name__, directory], check=True, timeout=CALL_TIMEOUT_S)
+    subprocess.run([*command, str(worker), fn.__name__, directory], check=True)
 
 
 def run_notebook_launcher(n: int, fn: Callable[[str], object], directory: str) -> None:
     if n == 1:
-        raise NotApplicable("with num_processes=1 it calls the function in the caller's own process: nothing is launched")
+        raise NotApplicable(
+            "with num_processes=1 it calls the function in the caller's own process: nothing is launched"
+        )
     try:
         from accelerate import notebook_launcher
     except ImportError as error:
@@ -173,6 +184,7 @@ def read_results(directory: str, n: int) -> list[tuple[float, str]]:
 
 
 def check_sums(values: list, n: int) -> set[str]:
+    """The backends the ranks used, once every rank's sum is right."""
     expected = n * (n + 1) / 2
     totals = [total for total, _ in values]
     if len(totals) != n or any(total != expected for total in totals):
@@ -180,17 +192,16 @@ def check_sums(values: list, n: int) -> set[str]:
     return {backend for _, backend in values}
 
 
-def measure_failure(launch: Callable, n: int, directory: str, *, same_type: bool) -> tuple[float, set[str]]:
+def measure_failure(launch: Callable, n: int, directory: str) -> tuple[float, set[str]]:
     """Seconds from the raise in the last rank to the caller catching the launcher's error."""
     try:
         launch(n, fail_or_sleep, directory)
-    except (TimeoutError, subprocess.TimeoutExpired):
-        raise  # a hang, not the failure being timed
     except Exception as error:
         caught = time.time()
         # fanrun promises the rank's own exception; the peers wrap it in theirs.
-        if same_type and not (type(error) is RuntimeError and INJECTED in str(error)):
-            raise RuntimeError(f"expected the rank's RuntimeError, got {type(error).__name__}: {error}") from error
+        if launch is run_fanrun and not (type(error) is RuntimeError and INJECTED in str(error)):
+            got = f"{type(error).__name__}: {error}"
+            raise RuntimeError(f"expected the rank's RuntimeError, got {got}") from error
     else:
         raise RuntimeError("the call returned although a rank raised")
     return caught - float(Path(directory, "raised_at").read_text()), set()
@@ -223,7 +234,8 @@ def started_processes(marker: bytes) -> dict[int, str]:
         if marker in env.split(b"\0"):
             marked.add(pid)
     me = os.getpid()
-    return {pid: commands[pid] for pid in parents if pid != me and (pid in marked or descends(pid, me, parents))}
+    started = {pid for pid in parents if pid in marked or descends(pid, me, parents)}
+    return {pid: commands[pid] for pid in started - {me}}
 
 
 def descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
@@ -234,6 +246,12 @@ def descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
     return False
 
 
+def kill(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------- the session
 
 
@@ -242,7 +260,7 @@ class Cell:
     """The samples of one launcher at one N, or why there are none."""
 
     samples: list[float] = dataclasses.field(default_factory=list)
-    problem: str | None = None  # "n/a: ..." or "error: ..."
+    problem: str | None = None  # "n/a: <reason>" or "error: <type>: <message>"
     backends: set[str] = dataclasses.field(default_factory=set)
 
     @property
@@ -261,6 +279,10 @@ class Session:
         self.marker = f"{MARKER_VAR}={token}".encode()
         # Set before any launcher starts, so that every process they start inherits it.
         os.environ[MARKER_VAR] = token
+        # fanrun tracks each call in MLflow where mlflow is installed, by default in
+        # ./mlflow.db: a store in the temporary directory keeps that cost in the figures
+        # and the runs out of the current directory.
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{workdir / 'mlflow.db'}"
         # mp.spawn starts multiprocessing's resource tracker, which lives as long as this
         # process by design; starting it now keeps it out of the leftovers.
         from multiprocessing import resource_tracker
@@ -279,13 +301,29 @@ class Session:
     def attempt(self, label: str, measure: Callable[[str], object]) -> object:
         """Runs one measurement in a fresh directory; returns its value or the exception."""
         directory = tempfile.mkdtemp(dir=self.workdir)
+        # Killing a hung call's processes makes every launcher return, with an error.
+        hung = threading.Event()
+        watchdog = threading.Timer(CALL_TIMEOUT_S, self.kill_hung, args=(hung,))
+        watchdog.start()
         try:
             with self.output_to_log(label):
-                return measure(directory)
+                outcome = measure(directory)
         except Exception as error:
-            return error
+            outcome = error
         finally:
+            watchdog.cancel()
+            watchdog.join()
             self.clear_leftovers(label)
+        if hung.is_set():
+            return Hung(f"no result after {CALL_TIMEOUT_S:g} s; its processes were killed")
+        return outcome
+
+    def kill_hung(self, hung: threading.Event) -> None:
+        hung.set()
+        kill(self.leftovers())
+
+    def leftovers(self) -> set[int]:
+        return set(started_processes(self.marker)) - self.baseline
 
     @contextlib.contextmanager
     def output_to_log(self, label: str) -> Iterator[None]:
@@ -312,55 +350,55 @@ class Session:
     def clear_leftovers(self, label: str) -> None:
         """Waits for the measurement's processes to end; kills and reports any that do not."""
         returned = time.monotonic()
-        left = set(started_processes(self.marker)) - self.baseline
-        while left and time.monotonic() - returned < LEFTOVER_WAIT_S:
-            time.sleep(0.05)
-            left = set(started_processes(self.marker)) - self.baseline
-        outlived = time.monotonic() - returned
+        left = self.wait_for_exit()
         if not left:
+            outlived = time.monotonic() - returned
             if outlived > 0.5:
-                self.notes.append(f"{label}: processes outlived the call by {outlived:.1f} s")
+                self.notes.append(f"{label}: its processes outlived the call by {outlived:.1f} s")
             return
         commands = started_processes(self.marker)
         described = "; ".join(f"pid {pid}: {commands.get(pid, '?')[:120]}" for pid in sorted(left))
-        self.notes.append(f"{label}: {len(left)} process(es) still running {LEFTOVER_WAIT_S:g} s after the call, killed: {described}")
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self.notes.append(
+            f"{label}: {len(left)} process(es) still running {LEFTOVER_WAIT_S:g} s after the call, "
+            f"killed: {described}"
+        )
+        kill(left)
+        self.wait_for_exit()
+
+    def wait_for_exit(self) -> set[int]:
+        """The processes still running after at most LEFTOVER_WAIT_S."""
+        deadline = time.monotonic() + LEFTOVER_WAIT_S
+        left = self.leftovers()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = self.leftovers()
+        return left
 
 
 # ---------------------------------------------------------------- the schedule
 
 
-def run_launch(session: Session, ranks: list[int], repeat: int) -> dict[tuple[int, str], Cell]:
+def warm_up(session: Session) -> None:
+    """One untimed call per launcher, so that the first timed one finds the page cache and
+    the .pyc files warm, and the caller's own imports done."""
     for name, launch in session.launchers.items():
-        progress(f"warm-up: {name}, N={WARMUP_RANKS}")
-        session.attempt(f"warm-up {name} N={WARMUP_RANKS}", functools.partial(measure_launch, launch, WARMUP_RANKS))
+        label = f"warm-up {name} N={WARMUP_RANKS}"
+        outcome = session.attempt(label, functools.partial(measure_launch, launch, WARMUP_RANKS))
+        progress(f"{label}: {'failed' if isinstance(outcome, Exception) else 'done'}")
+
+
+def measure_all(session: Session, kind: str, measure: Callable, ranks: list[int], repeat: int) -> dict:
+    """`repeat` rounds for each N. The launchers take turns within a round, so that drift in
+    the machine's load spreads over all of them instead of landing on one."""
     cells = {(n, name): Cell() for n in ranks for name in LAUNCHERS}
     for n in ranks:
-        # Launchers take turns within each repeat, so that drift in the machine's load
-        # spreads over all of them instead of landing on one.
         for index in range(repeat):
             for name, launch in session.launchers.items():
                 cell = cells[n, name]
                 if cell.problem:
                     continue  # errors repeat; retrying only costs time
-                label = f"launch {name} N={n} #{index + 1}"
-                record(cell, session.attempt(label, functools.partial(measure_launch, launch, n)), label)
-    return cells
-
-
-def run_failure(session: Session, ranks: list[int], repeat: int) -> dict[tuple[int, str], Cell]:
-    cells = {(n, name): Cell() for n in ranks for name in LAUNCHERS}
-    for n in ranks:
-        for index in range(repeat):
-            for name, launch in session.launchers.items():
-                cell = cells[n, name]
-                if cell.problem:
-                    continue
-                label = f"failure {name} N={n} #{index + 1}"
-                measure = functools.partial(measure_failure, launch, n, same_type=name == "fanrun")
-                record(cell, session.attempt(label, measure), label)
+                label = f"{kind} {name} N={n} #{index + 1}"
+                record(cell, session.attempt(label, functools.partial(measure, launch, n)), label)
     return cells
 
 
@@ -378,6 +416,7 @@ def record(cell: Cell, outcome: object, label: str) -> None:
 
 
 def progress(text: str) -> None:
+    """To stderr: stdout holds the report alone."""
     print(text, file=sys.stderr, flush=True)
 
 
@@ -387,14 +426,36 @@ def progress(text: str) -> None:
 def machine() -> dict[str, str]:
     return {
         "cpu": cpu_model(),
-        "cores": f"{os.cpu_count()} ({len(os.sched_getaffinity(0))} usable)",
+        "cores": f"{os.cpu_count()} ({len(os.sched_getaffinity(0))} usable by this process)",
         "os": platform.platform(),
         "python": platform.python_version(),
         "torch": package_version("torch"),
         "accelerate": package_version("accelerate"),
         "fanrun": package_version("fanrun"),
+        "mlflow": package_version("mlflow"),
         "gpus": gpu_names(),
     }
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every process on the machine has used since boot, from /proc/stat."""
+    ticks = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = ticks[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def own_busy_s() -> float:
+    """CPU seconds of this process and of the processes it has waited for (every rank and
+    launcher, since each launcher waits for what it starts)."""
+    usages = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return sum(usage.ru_utime + usage.ru_stime for usage in usages)
+
+
+def other_work(machine_start: float, own_start: float, seconds: float) -> str:
+    """Other work on the machine slows every figure down; this says how much there was."""
+    other = max(0.0, machine_busy_s() - machine_start - (own_busy_s() - own_start))
+    share = other / (seconds * (os.cpu_count() or 1))
+    return f"{other:.0f} CPU seconds used by other processes during the run ({share:.0%} of the machine)"
 
 
 def cpu_model() -> str:
@@ -415,10 +476,9 @@ def package_version(name: str) -> str:
 def gpu_names() -> str:
     """From nvidia-smi, not torch.cuda: CUDA started in this process would break the fork
     that notebook_launcher relies on."""
+    query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
     try:
-        listed = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
-        )
+        listed = subprocess.run(query, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return "none"
     names = [line.strip() for line in listed.stdout.splitlines() if line.strip()]
@@ -436,7 +496,8 @@ def table(title: str, cells: dict[tuple[int, str], Cell], ranks: list[int]) -> s
             cell = cells[n, name]
             if cell.problem:
                 footnotes.append(f"[{len(footnotes) + 1}] {name}, N={n}: {cell.problem}")
-                row.append(f"{cell.problem.split(':')[0]} [{len(footnotes)}]")
+                short = "n/a" if cell.problem.startswith("n/a") else ": ".join(cell.problem.split(": ")[:2])
+                row.append(f"{short} [{len(footnotes)}]")
             else:
                 row.append(f"{cell.median:.3f} ({min(cell.samples):.3f})")
         row += [format_ratio(ratio(cells, n, peer)) for peer in PEERS]
@@ -444,9 +505,8 @@ def table(title: str, cells: dict[tuple[int, str], Cell], ranks: list[int]) -> s
             row.append(",".join(sorted(set().union(*(cells[n, name].backends for name in LAUNCHERS)))) or "-")
         rows.append(row)
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines = [title, *("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])]
+    lines.insert(2, "  ".join("-" * w for w in widths))
     return "\n".join(lines + footnotes)
 
 
@@ -461,16 +521,16 @@ def format_ratio(value: float | None) -> str:
 
 def goals(launch: dict, failure: dict, ranks: list[int], failure_ranks: list[int]) -> str:
     lines = [
-        f"Goals (rule: fanrun is no slower than a peer at N when median(fanrun) / median(peer) "
+        "Goals (rule: fanrun is no slower than a peer at N when median(fanrun) / median(peer) "
         f"<= {1 + NOISE:.2f}, i.e. 1.00 within {NOISE:.0%} noise):"
     ]
     for peer in GOAL_PEERS:
         ratios = {n: ratio(launch, n, peer) for n in ranks}
-        lines.append(verdict(f"launch wall time no slower than {peer} for every N", ratios, lambda r: r <= 1 + NOISE, format_ratio))
+        goal = f"launch wall time no slower than {peer} for every N"
+        lines.append(verdict(goal, ratios, lambda r: r <= 1 + NOISE, format_ratio))
     latencies = {n: failure[n, "fanrun"].median for n in failure_ranks}
-    lines.append(
-        verdict(f"failure latency (median) under {FAILURE_GOAL_S} s", latencies, lambda s: s < FAILURE_GOAL_S, lambda s: f"{s:.3f} s")
-    )
+    goal = f"failure latency (median) under {FAILURE_GOAL_S} s"
+    lines.append(verdict(goal, latencies, lambda s: s < FAILURE_GOAL_S, lambda s: f"{s:.3f} s"))
     return "\n".join(lines)
 
 
@@ -487,7 +547,14 @@ def verdict(goal: str, values: dict[int, float | None], ok: Callable, show: Call
 
 def as_json(cells: dict[tuple[int, str], Cell]) -> list[dict]:
     return [
-        {"n": n, "launcher": name, "samples": cell.samples, "median": cell.median, "problem": cell.problem, "backends": sorted(cell.backends)}
+        {
+            "n": n,
+            "launcher": name,
+            "samples": cell.samples,
+            "median": cell.median,
+            "problem": cell.problem,
+            "backends": sorted(cell.backends),
+        }
         for (n, name), cell in cells.items()
     ]
 
@@ -510,25 +577,35 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     info = machine()
-    print("Machine: " + "; ".join(f"{key} {value}" for key, value in info.items()), flush=True)
-    log_path = Path(tempfile.mkstemp(prefix="fanrun-launch-bench-", suffix=".log")[1])
-    started = time.monotonic()
+    print("Machine", *(f"  {key:<11}{value}" for key, value in info.items()), sep="\n", flush=True)
+    descriptor, log_name = tempfile.mkstemp(prefix="fanrun-launch-bench-", suffix=".log")
+    os.close(descriptor)  # reopened for each measurement
+    started, machine_start, own_start = time.monotonic(), machine_busy_s(), own_busy_s()
     with tempfile.TemporaryDirectory(prefix="fanrun-launch-bench-") as workdir:
-        session = Session(Path(workdir), log_path)
-        launch = run_launch(session, args.ranks, args.repeat)
-        failure = run_failure(session, args.failure_ranks, args.repeat)
+        session = Session(Path(workdir), Path(log_name))
+        warm_up(session)
+        launch = measure_all(session, "launch", measure_launch, args.ranks, args.repeat)
+        failure = measure_all(session, "failure", measure_failure, args.failure_ranks, args.repeat)
     print()
     print(table(f"Launch wall time in seconds, median (min) of {args.repeat}", launch, args.ranks))
     print()
-    title = f"Failure latency in seconds, from the raise in the last rank to the caller, median (min) of {args.repeat}"
-    print(table(title, failure, args.failure_ranks))
+    title = "Failure latency in seconds, from the raise in the last rank to the caller"
+    print(table(f"{title}, median (min) of {args.repeat}", failure, args.failure_ranks))
     print()
     print(goals(launch, failure, args.ranks, args.failure_ranks))
     print()
-    print("Notes: " + ("\n  ".join(["", *session.notes]) if session.notes else "no process outlived its call"))
-    print(f"Total {time.monotonic() - started:.0f} s. Output of the launchers and ranks: {log_path}")
+    print("Leftover processes:", *(session.notes or ["none; every process ended with its call"]), sep="\n  ")
+    seconds = time.monotonic() - started
+    print(f"Total {seconds:.0f} s; {other_work(machine_start, own_start, seconds)}.")
+    print(f"What the launchers and ranks printed: {log_name}")
     if args.json:
-        report = {"machine": info, "repeat": args.repeat, "launch": as_json(launch), "failure": as_json(failure), "notes": session.notes}
+        report = {
+            "machine": info,
+            "repeat": args.repeat,
+            "launch": as_json(launch),
+            "failure": as_json(failure),
+            "leftovers": session.notes,
+        }
         args.json.write_text(json.dumps(report, indent=2))
 
 

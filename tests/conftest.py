@@ -17,6 +17,9 @@ from processes import processes_of_runs_under  # noqa: E402
 _RUNS = tempfile.mkdtemp(prefix="fanrun-test-runs-")
 # Set before any test runs, so that callers started as subprocesses inherit it too.
 os.environ["FANRUN_RUNS_DIR"] = _RUNS
+# Every call would otherwise be an MLflow run in ./mlflow.db, with a line of its own in the
+# output; test_tracking.py turns tracking back on for its tests.
+os.environ["FANRUN_TRACKING"] = "0"
 
 
 @pytest.fixture(scope="session")

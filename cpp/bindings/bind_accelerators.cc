@@ -1,8 +1,10 @@
 // Python access to GPU detection.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "fanrun/accelerators.h"
+#include "status_to_python.h"
 
 namespace nb = nanobind;
 
@@ -36,6 +38,20 @@ std::vector<GpuInfo> GpusFromPython(const nb::list& gpus) {
   return out;
 }
 
+nb::list SamplesToPython(const std::vector<GpuSample>& samples) {
+  nb::list out;
+  for (const auto& sample : samples) {
+    nb::dict entry;
+    entry["nvml_index"] = sample.nvml_index;
+    // None where NVML could not read the field, so one silent GPU does not hide the rest.
+    entry["utilization_percent"] = sample.has_utilization ? nb::cast(sample.utilization_percent) : nb::none();
+    entry["memory_used"] = sample.has_memory ? nb::cast(sample.memory_used) : nb::none();
+    entry["memory_total"] = sample.has_memory ? nb::cast(sample.memory_total) : nb::none();
+    out.append(entry);
+  }
+  return out;
+}
+
 }  // namespace
 
 void BindAccelerators(nb::module_& m) {
@@ -62,6 +78,46 @@ void BindAccelerators(nb::module_& m) {
         return GpusToPython(ApplyVisibleDevices(GpusFromPython(gpus), true, visible));
       },
       nb::arg("gpus"), nb::arg("visible"));
+  // Utilisation and memory of GPUs for system metrics, with NVML kept open between samples.
+  nb::class_<GpuSampler>(m, "GpuSampler")
+      // (sampler, "") or, where NVML cannot be used (no driver: the usual case on a CPU
+      // machine, not an error), (None, why).
+      .def_static(
+          "open",
+          [](const std::string& library) {
+            std::unique_ptr<GpuSampler> sampler;
+            std::string why;
+            {
+              nb::gil_scoped_release release;
+              Result<std::unique_ptr<GpuSampler>> opened = GpuSampler::Open(library);
+              if (opened.ok()) {
+                sampler = std::move(opened).ValueOrDie();
+              } else {
+                why = opened.status().message();
+              }
+            }
+            if (sampler == nullptr) return nb::make_tuple(nb::none(), why);
+            return nb::make_tuple(nb::cast(sampler.release(), nb::rv_policy::take_ownership), std::string());
+          },
+          nb::arg("nvml_library"))
+      .def(
+          "sample",
+          [](GpuSampler& sampler, const std::vector<int>& nvml_indices) {
+            std::vector<GpuSample> samples;
+            Status status;
+            {
+              nb::gil_scoped_release release;
+              Result<std::vector<GpuSample>> sampled = sampler.Sample(nvml_indices);
+              if (sampled.ok()) {
+                samples = std::move(sampled).ValueOrDie();
+              } else {
+                status = sampled.status();
+              }
+            }
+            ThrowIfError(status);
+            return SamplesToPython(samples);
+          },
+          nb::arg("nvml_indices"));
 }
 
 }  // namespace fanrun::bindings

@@ -5,7 +5,9 @@
 
 #include <cctype>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
+#include <string>
 
 namespace fanrun {
 namespace {
@@ -15,6 +17,9 @@ using nvmlReturn_t = int;
 using nvmlDevice_t = void*;
 struct NvmlMemory {
   unsigned long long total, free, used;
+};
+struct NvmlUtilization {
+  unsigned int gpu, memory;  // percent of the last sample period
 };
 
 struct Nvml {
@@ -27,6 +32,7 @@ struct Nvml {
   nvmlReturn_t (*device_uuid)(nvmlDevice_t, char*, unsigned int) = nullptr;
   nvmlReturn_t (*device_memory)(nvmlDevice_t, NvmlMemory*) = nullptr;
   nvmlReturn_t (*driver_version)(char*, unsigned int) = nullptr;
+  nvmlReturn_t (*device_utilization)(nvmlDevice_t, NvmlUtilization*) = nullptr;
 };
 
 template <typename F>
@@ -35,12 +41,19 @@ bool Bind(void* handle, const char* name, F& out) {
   return out != nullptr;
 }
 
-// Opens NVML and initialises it; the caller shuts it down. `note` says why not.
-bool OpenNvml(const std::string& library, Nvml& nvml, std::string& note) {
+// Messages here are joined as std::string, never with StrCat: std::ostringstream used in this
+// module before `import torch` makes some torch builds crash inside that import (torch 2.11 with
+// CUDA 13 segfaults in torch._ops), and detection and sampling run before the caller imports torch.
+Status NvmlStatus(StatusCode code, std::string message) { return Status(code, std::move(message)); }
+
+// Opens NVML and initialises it; the caller shuts it down. NotFound: the library is not
+// there (no NVIDIA driver); Internal: it lacks a function fanrun needs or does not start.
+Status OpenNvml(const std::string& library, Nvml& nvml) {
   nvml.handle = ::dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (nvml.handle == nullptr) {
-    note = library + " could not be loaded (no NVIDIA driver): " + ::dlerror();
-    return false;
+    const char* why = ::dlerror();
+    return NvmlStatus(StatusCode::kNotFound,
+                      library + " could not be loaded (no NVIDIA driver): " + (why != nullptr ? why : "unknown error"));
   }
   const bool bound = Bind(nvml.handle, "nvmlInit_v2", nvml.init) &&
                      Bind(nvml.handle, "nvmlShutdown", nvml.shutdown) &&
@@ -50,16 +63,19 @@ bool OpenNvml(const std::string& library, Nvml& nvml, std::string& note) {
                      Bind(nvml.handle, "nvmlDeviceGetUUID", nvml.device_uuid) &&
                      Bind(nvml.handle, "nvmlDeviceGetMemoryInfo", nvml.device_memory) &&
                      Bind(nvml.handle, "nvmlSystemGetDriverVersion", nvml.driver_version);
+  // Optional: detection works without it, only sampling needs it.
+  Bind(nvml.handle, "nvmlDeviceGetUtilizationRates", nvml.device_utilization);
+  Status status;
   if (!bound) {
-    note = library + " lacks an NVML function fanrun needs";
+    status = NvmlStatus(StatusCode::kInternal, library + " lacks an NVML function fanrun needs");
   } else if (nvml.init() != 0) {
-    note = "NVML failed to initialise (driver not loaded?)";
+    status = NvmlStatus(StatusCode::kInternal, "NVML failed to initialise (driver not loaded?)");
   } else {
-    return true;
+    return Status::OK();
   }
   ::dlclose(nvml.handle);
   nvml.handle = nullptr;
-  return false;
+  return status;
 }
 
 void CloseNvml(Nvml& nvml) {
@@ -85,7 +101,11 @@ GpuInventory DetectGpus(const std::string& nvml_library) {
   std::lock_guard<std::mutex> lock(nvml_mutex);
   GpuInventory inventory;
   Nvml nvml;
-  if (!OpenNvml(nvml_library, nvml, inventory.note)) return inventory;
+  Status opened = OpenNvml(nvml_library, nvml);
+  if (!opened.ok()) {
+    inventory.note = opened.message();
+    return inventory;
+  }
   char text[96] = {0};
   if (nvml.driver_version(text, sizeof(text)) == 0) inventory.driver_version = text;
   unsigned int count = 0;
@@ -107,6 +127,66 @@ GpuInventory DetectGpus(const std::string& nvml_library) {
   if (inventory.gpus.empty() && inventory.note.empty()) inventory.note = "the NVIDIA driver reports no GPU";
   CloseNvml(nvml);
   return inventory;
+}
+
+struct GpuSampler::Library {
+  Nvml nvml;
+  unsigned int count = 0;
+};
+
+Result<std::unique_ptr<GpuSampler>> GpuSampler::Open(const std::string& nvml_library) {
+  std::lock_guard<std::mutex> lock(nvml_mutex);
+  auto library = std::make_unique<Library>();
+  FANRUN_RETURN_NOT_OK(OpenNvml(nvml_library, library->nvml));
+  Status status;
+  if (library->nvml.device_utilization == nullptr) {
+    status = NvmlStatus(StatusCode::kInternal, nvml_library + " lacks nvmlDeviceGetUtilizationRates (driver too old?)");
+  } else if (library->nvml.device_count(&library->count) != 0) {
+    status = NvmlStatus(StatusCode::kInternal, "NVML could not count the GPUs");
+  }
+  if (!status.ok()) {
+    CloseNvml(library->nvml);
+    return status;
+  }
+  return std::unique_ptr<GpuSampler>(new GpuSampler(std::move(library)));
+}
+
+GpuSampler::GpuSampler(std::unique_ptr<Library> library) : library_(std::move(library)) {}
+
+GpuSampler::~GpuSampler() {
+  std::lock_guard<std::mutex> lock(nvml_mutex);
+  CloseNvml(library_->nvml);
+}
+
+Result<std::vector<GpuSample>> GpuSampler::Sample(const std::vector<int>& nvml_indices) {
+  const Nvml& nvml = library_->nvml;
+  std::vector<GpuSample> samples;
+  for (int index : nvml_indices) {
+    if (index < 0 || static_cast<unsigned int>(index) >= library_->count) {
+      return NvmlStatus(StatusCode::kInvalid, "GPU " + std::to_string(index) + " does not exist: NVML reports " +
+                                                  std::to_string(library_->count) + " GPUs");
+    }
+    GpuSample sample;
+    sample.nvml_index = index;
+    nvmlDevice_t device = nullptr;
+    // A GPU that stopped answering (fallen off the bus, reset) has its fields absent,
+    // so the others are still reported.
+    if (nvml.device_by_index(static_cast<unsigned int>(index), &device) == 0) {
+      NvmlUtilization utilization{};
+      if (nvml.device_utilization(device, &utilization) == 0) {
+        sample.has_utilization = true;
+        sample.utilization_percent = utilization.gpu;
+      }
+      NvmlMemory memory{};
+      if (nvml.device_memory(device, &memory) == 0) {
+        sample.has_memory = true;
+        sample.memory_used = memory.used;
+        sample.memory_total = memory.total;
+      }
+    }
+    samples.push_back(sample);
+  }
+  return samples;
 }
 
 std::vector<GpuInfo> ApplyVisibleDevices(const std::vector<GpuInfo>& gpus, bool visible_is_set,

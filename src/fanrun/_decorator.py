@@ -9,7 +9,7 @@ import numbers
 import warnings
 from typing import Any, Callable, Generic, TypeVar
 
-from . import _accelerators, _launcher, _payload
+from . import _accelerators, _launcher, _payload, _tracking
 from ._accelerators import AcceleratorRequest
 
 DEFAULT_TIMEOUT = 3 * 60 * 60  # seconds
@@ -22,6 +22,9 @@ class Options:
     num_accelerators: int | None
     accelerator: AcceleratorRequest | None
     timeout: float | None
+    experiment_name: str | None = None
+    run_id: str | None = None
+    tracking: bool = True
 
 
 class DistributedFunction(Generic[R]):
@@ -38,16 +41,23 @@ class DistributedFunction(Generic[R]):
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
         """Runs the function once per rank with these arguments; returns every rank's value, in rank order."""
         options = self._options
-        plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, _accelerators.detect())
+        inventory = _accelerators.detect()
+        plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory)
         payload = _payload.serialize_call(self._fn, args, kwargs)
         name = getattr(self._fn, "__name__", "function")
-        return _launcher.run(
-            name=name,
-            plan=plan,
-            program=_launcher.RankProgram.function(),
-            timeout=options.timeout,
-            payload=payload,
-        )
+        # The GPUs the ranks get, in rank order: the ones the run's system metrics describe.
+        gpu_indices = [gpu.nvml_index for gpu in inventory.visible[: plan.world_size]] if plan.use_gpus else []
+        # The MLflow run starts once the call is known to be sendable, and ends with its outcome.
+        with _tracking.track(function_name=name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
+            return _launcher.run(
+                name=name,
+                plan=plan,
+                program=_launcher.RankProgram.function(),
+                timeout=options.timeout,
+                payload=payload,
+                extra_env=tracked.rank_env,
+                on_paths=tracked.attach_paths,
+            )
 
     def __repr__(self) -> str:
         return f"<fanrun.distributed {getattr(self._fn, '__qualname__', self._fn)!r}>"
@@ -58,6 +68,9 @@ def distributed(
     accelerator_type: Any = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     *,
+    experiment_name: str | None = None,
+    run_id: str | None = None,
+    tracking: bool = True,
     gpus: Any = _UNSET,
     gpu_type: Any = _UNSET,
 ):
@@ -67,6 +80,10 @@ def distributed(
     Usable as ``@distributed``, ``@distributed()`` and ``@distributed(num_accelerators=2,
     accelerator_type="GPU_8xH100", timeout=600)``. ``gpus`` and ``gpu_type`` are the legacy
     names of serverless_gpu.
+
+    Each call is an MLflow run that every rank logs to (a child of the run active in the
+    caller, if any): ``experiment_name`` chooses its experiment, ``run_id`` resumes that run
+    instead of starting one, ``tracking=False`` turns all of it off.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, numbers.Number):
         return distributed()(num_accelerators)  # bare @distributed
@@ -84,6 +101,7 @@ def distributed(
         num_accelerators=_check_count(num_accelerators),
         accelerator=_accelerators.parse_accelerator_type(accelerator_type),
         timeout=_check_timeout(timeout),
+        **_check_tracking(experiment_name, run_id, tracking),
     )
 
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:
@@ -113,3 +131,26 @@ def _check_timeout(value: Any) -> float | None:
     if not value > 0:  # NaN included
         raise ValueError(f"timeout must be positive (seconds), or None for no timeout; got {value!r}")
     return None if math.isinf(value) else float(value)
+
+
+def _check_tracking(experiment_name: Any, run_id: Any, tracking: Any) -> dict[str, Any]:
+    if not isinstance(tracking, bool):
+        raise TypeError(f"tracking must be True or False, not {type(tracking).__name__} ({tracking!r})")
+    for label, value in (("experiment_name", experiment_name), ("run_id", run_id)):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{label} must be a string or None, not {type(value).__name__} ({value!r})")
+        if not value.strip():
+            raise ValueError(f"{label} must be a non-empty string, not {value!r}")
+        if label == "run_id" and value != value.strip():
+            raise ValueError(f"run_id must be a run's id without surrounding spaces, not {value!r}")
+    if not tracking and (experiment_name is not None or run_id is not None):
+        given = "experiment_name" if experiment_name is not None else "run_id"
+        raise ValueError(f"{given}= needs MLflow tracking, but tracking=False turns it off; drop one of them")
+    if experiment_name is not None and run_id is not None:
+        raise ValueError(
+            "run_id= resumes a run in the experiment it already belongs to, so experiment_name= cannot "
+            "apply; pass one of them, not both"
+        )
+    return {"experiment_name": experiment_name, "run_id": run_id, "tracking": tracking}

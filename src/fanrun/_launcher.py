@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import _core
@@ -65,10 +65,19 @@ def run(
     program: RankProgram,
     timeout: float | None,
     payload: bytes | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    on_paths: Callable[[RunPaths], None] | None = None,
 ) -> list[object]:
     """Runs `program` on every rank of `plan`; returns the results in rank order
-    (None for each rank of a script or native program) or raises the root cause."""
+    (None for each rank of a script or native program) or raises the root cause.
+
+    `extra_env` is set in every rank on top of the caller's environment (fanrun's own
+    variables still win); `on_paths` learns the run's files before any rank starts, so
+    that the caller can read the logs afterwards, whatever the outcome."""
     paths = RunPaths.create(name)
+    if on_paths is not None:
+        on_paths(paths)
+    base_env = {**os.environ, **(extra_env or {})}
     world_size = plan.world_size
     rendezvous = None
     try:
@@ -76,7 +85,7 @@ def run(
             write_private(paths.payload, pickle.dumps({"sys_path": list(sys.path)}), payload)
         rendezvous = Rendezvous(host_store=program.python)
         envs = [
-            _flatten(rank_environment(os.environ, rank, plan, rendezvous.environment(), paths))
+            _flatten(rank_environment(base_env, rank, plan, rendezvous.environment(), paths))
             for rank in range(world_size)
         ]
         rendezvous.release_port_for_ranks()

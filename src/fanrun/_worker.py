@@ -35,6 +35,11 @@ def main() -> None:
     if control_fd:
         # Processes this rank starts must not hold the engine's channel open.
         os.set_inheritable(int(control_fd), False)
+    if os.environ.get("FANRUN_MLFLOW_RUN_ID"):
+        # A tracked call: its MLflow run becomes active when the function imports mlflow.
+        import runpy
+
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "_rank_tracking.py"))["install"]()
     mode = sys.argv[1]
     run_dir = Path(os.environ["FANRUN_RUN_DIR"])
     rank = int(os.environ["RANK"])

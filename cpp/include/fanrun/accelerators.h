@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,5 +33,35 @@ GpuInventory DetectGpus(const std::string& nvml_library = "libnvidia-ml.so.1");
 // entry it cannot resolve, and so does this. `visible_is_set` false: all of them.
 std::vector<GpuInfo> ApplyVisibleDevices(const std::vector<GpuInfo>& gpus, bool visible_is_set,
                                          const std::string& visible);
+
+// One reading of one GPU, for system metrics. A field NVML could not read is marked absent.
+struct GpuSample {
+  int nvml_index = 0;
+  bool has_utilization = false;
+  unsigned int utilization_percent = 0;  // of the last sample period the GPU was busy
+  bool has_memory = false;
+  uint64_t memory_used = 0;   // bytes
+  uint64_t memory_total = 0;  // bytes
+};
+
+// Reads utilisation and memory of GPUs, again and again, with NVML opened once: opening
+// it costs far more than a reading on a machine with many GPUs.
+class GpuSampler {
+ public:
+  // NotFound when the library cannot be loaded (no NVIDIA driver), Internal when NVML
+  // lacks a function or does not initialise; the message says which.
+  static Result<std::unique_ptr<GpuSampler>> Open(const std::string& nvml_library = "libnvidia-ml.so.1");
+  ~GpuSampler();
+  GpuSampler(const GpuSampler&) = delete;
+  GpuSampler& operator=(const GpuSampler&) = delete;
+
+  // One sample per index, in that order; Invalid for an index the driver does not have.
+  Result<std::vector<GpuSample>> Sample(const std::vector<int>& nvml_indices);
+
+ private:
+  struct Library;
+  explicit GpuSampler(std::unique_ptr<Library> library);
+  std::unique_ptr<Library> library_;
+};
 
 }  // namespace fanrun

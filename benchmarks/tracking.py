@@ -1,0 +1,164 @@
+"""Training steps per second with MLflow tracking on (every rank logging every step) and off."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+
+# (label, tracking, log every step, MLFLOW_ENABLE_ASYNC_LOGGING); None leaves fanrun's default.
+MODES = (
+    ("off: tracking=False, no logging", False, False, None),
+    ("on: log_metric every step (fanrun's default, async)", True, True, None),
+    ("on: log_metric every step, synchronous", True, True, "false"),
+)
+
+
+def train(steps: int, warmup: int, log: bool) -> dict:
+    """One rank: a small MLP trained with DDP over gloo; steps/s timed over the loop alone."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if log:
+        import mlflow
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs, targets = torch.randn(64, 64), torch.randn(64, 1)
+
+    def step(index: int) -> None:
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if log:
+            mlflow.log_metric("loss", loss.item(), step=index)
+
+    for index in range(warmup):
+        step(index)
+    dist.barrier()
+    start = time.perf_counter()
+    for index in range(warmup, warmup + steps):
+        step(index)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    dist.destroy_process_group()
+    return {"rank": rank, "steps_per_s": steps / elapsed, "run_id": os.environ.get("MLFLOW_RUN_ID")}
+
+
+@contextlib.contextmanager
+def environment(**values: str | None) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def measure(ranks: int, steps: int, warmup: int, tracking: bool, log: bool, async_logging: str | None) -> tuple[float, int | None]:
+    """Steps/s of the slowest rank, and how many loss points reached the run (None untracked)."""
+    from fanrun import distributed
+
+    # The run's link and the ranks' output go to stderr: stdout holds the report alone.
+    with environment(MLFLOW_ENABLE_ASYNC_LOGGING=async_logging), contextlib.redirect_stdout(sys.stderr):
+        results = distributed(num_accelerators=ranks, tracking=tracking)(train).distributed(steps, warmup, log)
+    points = None
+    if tracking:
+        import mlflow
+
+        run_id = results[0]["run_id"]
+        points = len(mlflow.MlflowClient().get_metric_history(run_id, "loss"))
+    return min(r["steps_per_s"] for r in results), points
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    versions = ", ".join(f"{name} {version(name)}" for name in ("fanrun", "torch", "mlflow"))
+    return (
+        f"{cpu}, {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), {platform.platform()}, "
+        f"Python {platform.python_version()}, {versions}; load {os.getloadavg()[0]:.2f} at the start"
+    )
+
+
+def version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=500, help="timed steps per call")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (DDP buckets, first batches)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tracking-uri", default=None,
+                        help="where runs go (default: a sqlite store in a temporary folder, MLflow's local default)")
+    options = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="fanrun-tracking-bench-") as scratch:
+        uri = options.tracking_uri or f"sqlite:///{scratch}/mlflow.db"
+        with environment(MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME="fanrun-tracking-benchmark", FANRUN_TRACKING=None):
+            os.chdir(scratch)  # MLflow's local artifact folders land here, not in the checkout
+            print(f"machine: {machine()}", flush=True)
+            print(f"{options.ranks} ranks (gloo, CPU), {options.steps} timed steps after {options.warmup}, "
+                  f"{options.repeats} repeats, tracking store {uri.split('://')[0]}", flush=True)
+            rates: dict[str, list[float]] = {label: [] for label, *_ in MODES}
+            points: dict[str, int | None] = {}
+            # One call of each mode per round: drift in the machine's load spreads over all modes.
+            for round_index in range(options.repeats + 1):
+                for label, tracking, log, async_logging in MODES:
+                    rate, logged = measure(options.ranks, options.steps, options.warmup, tracking, log, async_logging)
+                    if round_index == 0:
+                        continue  # the first round warms caches and creates the store: not counted
+                    rates[label].append(rate)
+                    points[label] = logged
+                    print(f"  round {round_index}: {label}: {rate:.1f} steps/s", file=sys.stderr, flush=True)
+
+    baseline = statistics.median(rates[MODES[0][0]])
+    expected = options.ranks * (options.steps + options.warmup)
+    print()
+    print(f"| mode | steps/s (median of {options.repeats}) | min - max | vs off | loss points on the run |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for label, *_ in MODES:
+        median = statistics.median(rates[label])
+        logged = points[label]
+        shown = "-" if logged is None else f"{logged} of {expected}"
+        print(f"| {label} | {median:.1f} | {min(rates[label]):.1f} - {max(rates[label]):.1f} | "
+              f"{median / baseline:.2f} | {shown} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
