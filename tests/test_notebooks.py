@@ -25,6 +25,8 @@ def stream_text(cell, name: str = "stdout") -> str:
 
 
 def run_notebook(path: Path, tmp_path: Path, monkeypatch) -> nbformat.NotebookNode:
+    # As users run them: every call tracked, here in a store of the test's own.
+    monkeypatch.delenv("FANRUN_TRACKING", raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     notebook = nbformat.read(path, as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -47,6 +49,8 @@ def test_ddp_quickstart_in_a_kernel(tmp_path, monkeypatch):
         assert f"[rank{rank}]: epoch 0: loss" in live and f"[rank{rank}]: epoch 2: loss" in live
         assert f"rank {rank} on cpu: loss" in live or f"rank {rank} on cuda:{rank}: loss" in live
     assert "2 ranks trained; the loss went down on every one." in stream_text(check_cell)
+    # The call's MLflow run, announced in the cell (as text: the store is a local sqlite file).
+    assert "fanrun: MLflow run run_train-" in live and "mlflow ui --backend-store-uri sqlite:///" in live
 
 
 def test_fsdp_in_a_kernel(tmp_path, monkeypatch):
