@@ -41,9 +41,7 @@ bool Bind(void* handle, const char* name, F& out) {
   return out != nullptr;
 }
 
-// Messages here are joined as std::string, never with StrCat: std::ostringstream used in this
-// module before `import torch` makes some torch builds crash inside that import (torch 2.11 with
-// CUDA 13 segfaults in torch._ops), and detection and sampling run before the caller imports torch.
+// An NVML failure as a status.
 Status NvmlStatus(StatusCode code, std::string message) { return Status(code, std::move(message)); }
 
 // Opens NVML and initialises it; the caller shuts it down. NotFound: the library is not

@@ -4,8 +4,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <variant>
 
@@ -20,11 +21,26 @@ enum class StatusCode {
 };
 
 namespace internal {
+// Joins text and numbers without iostreams: std::ostringstream, built in this module
+// before torch is imported, was seen to crash torch's own import (torch 2.11, CUDA 13).
+inline void AppendTo(std::string& out, std::string_view text) { out.append(text); }
+inline void AppendTo(std::string& out, char c) { out.push_back(c); }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T> && !std::is_same_v<T, char>>>
+void AppendTo(std::string& out, T value) {
+  if constexpr (std::is_floating_point_v<T>) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof(buffer), "%g", static_cast<double>(value));
+    out.append(buffer);
+  } else {
+    out.append(std::to_string(value));
+  }
+}
+
 template <typename... Args>
-std::string StrCat(Args&&... args) {
-  std::ostringstream out;
-  (out << ... << std::forward<Args>(args));
-  return out.str();
+std::string StrCat(const Args&... args) {
+  std::string out;
+  (AppendTo(out, args), ...);
+  return out;
 }
 }  // namespace internal
 
@@ -36,21 +52,21 @@ class [[nodiscard]] Status {
   static Status OK() { return Status(); }
   template <typename... Args>
   static Status Invalid(Args&&... args) {
-    return Status(StatusCode::kInvalid, internal::StrCat(std::forward<Args>(args)...));
+    return Status(StatusCode::kInvalid, internal::StrCat(args...));
   }
   template <typename... Args>
   static Status NotFound(Args&&... args) {
-    return Status(StatusCode::kNotFound, internal::StrCat(std::forward<Args>(args)...));
+    return Status(StatusCode::kNotFound, internal::StrCat(args...));
   }
   template <typename... Args>
   static Status Internal(Args&&... args) {
-    return Status(StatusCode::kInternal, internal::StrCat(std::forward<Args>(args)...));
+    return Status(StatusCode::kInternal, internal::StrCat(args...));
   }
   // Call with the errno captured right where the failure happened.
   template <typename... Args>
   static Status IOErrorFromErrno(int errnum, Args&&... args) {
     return Status(StatusCode::kIOError,
-                  internal::StrCat(std::forward<Args>(args)..., ": ", ErrnoMessage(errnum)));
+                  internal::StrCat(args..., ": ", ErrnoMessage(errnum)));
   }
 
   bool ok() const { return code_ == StatusCode::kOk; }
