@@ -159,3 +159,11 @@ def test_timeout_type_and_none():
 def test_decorating_a_non_callable():
     with pytest.raises(TypeError, match="decorates a function"):
         distributed()(42)
+
+
+def test_remote_false_is_accepted_and_remote_true_explained():
+    assert isinstance(distributed(remote=False)(identity), fanrun.DistributedFunction)
+    with pytest.raises(ValueError, match="remote=True runs on Databricks' managed GPU pool"):
+        distributed(remote=True)
+    with pytest.raises(TypeError, match="remote must be True or False"):
+        distributed(remote="yes")

@@ -73,6 +73,7 @@ def distributed(
     tracking: bool = True,
     gpus: Any = _UNSET,
     gpu_type: Any = _UNSET,
+    remote: bool = False,
 ):
     """Decorates a function so that `fn.distributed(*args, **kwargs)` runs it on every
     accelerator of this machine (CPU processes where there is none).
@@ -92,6 +93,14 @@ def distributed(
             raise TypeError("pass num_accelerators or its legacy name gpus, not both")
         warnings.warn("gpus= is a legacy name from serverless_gpu; use num_accelerators=", FutureWarning, stacklevel=2)
         num_accelerators = gpus
+    if not isinstance(remote, bool):
+        raise TypeError(f"remote must be True or False, not {type(remote).__name__}")
+    if remote:
+        # serverless_gpu's remote=True sends the call to a managed GPU pool; fanrun has none.
+        raise ValueError(
+            "remote=True runs on Databricks' managed GPU pool; fanrun runs on this machine's "
+            "accelerators: drop remote=True (remote=False, the default, is accepted)"
+        )
     if gpu_type is not _UNSET:
         if accelerator_type is not None:
             raise TypeError("pass accelerator_type or its legacy name gpu_type, not both")
