@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU session behind docs/gpu.md: build fanrun on the GPU machine, then run the core
-# checks, the example notebooks in a real kernel, and the throughput and launch benchmarks,
-# with nvidia-smi after each. Missing Python packages may be given as wheels in .whl/.
+# The GPU sessions behind docs/gpu.md: build fanrun on the GPU machine, then run the named
+# parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
+# given as wheels in .whl/.
+#   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [throughput] [launch]
 set -u
 OUT=${OUT:-/tmp/fanrun-gpu}
 mkdir -p "$OUT"
@@ -25,9 +26,22 @@ step() {
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   after "$name" | tee -a "$OUT/$name.log"
 }
+pytest_step() {
+  MLFLOW_TRACKING_URI=sqlite:////tmp/fanrun-mlflow.db step "$1" "$2" python3 -m pytest -q -p no:cacheprovider "${@:3}"
+}
 
-step gpu_checks 200 python3 benchmarks/gpu_checks.py
-MLFLOW_TRACKING_URI=sqlite:////tmp/fanrun-mlflow.db step notebooks 200 python3 -m pytest tests/test_notebooks.py -q -p no:cacheprovider
-step throughput 300 python3 benchmarks/throughput.py --steps 100 --repeat 3
-# The launcher alone: MLflow tracking, on by default, is measured in benchmarks/tracking.py.
-FANRUN_TRACKING=0 step launch 250 python3 benchmarks/launch.py --ranks 1 2 --repeat 3
+parts=${*:-checks gpu-tests notebooks throughput launch}
+for part in $parts; do
+  case $part in
+    checks) step gpu_checks 200 python3 benchmarks/gpu_checks.py ;;
+    gpu-tests) pytest_step gpu_tests 200 tests/test_notebooks.py tests/test_tracking.py -k "gpu or cuda" -rs ;;
+    notebooks)
+      for test in ddp_quickstart fsdp deepspeed_zero from_torchdistributor kernel_interrupt; do
+        pytest_step "notebook_$test" 200 tests/test_notebooks.py -k "$test and kernel"
+      done ;;
+    throughput) step throughput 300 python3 benchmarks/throughput.py --steps 100 --repeat 3 --kinds ${KINDS:-ddp fsdp} ;;
+    # The launcher alone: MLflow tracking, on by default, is measured in benchmarks/tracking.py.
+    launch) FANRUN_TRACKING=0 step launch 300 python3 benchmarks/launch.py --ranks ${RANKS:-1 2} --repeat ${REPEAT:-3} ${LAUNCH_ARGS:-} ;;
+    *) echo "unknown part: $part" >&2; exit 2 ;;
+  esac
+done

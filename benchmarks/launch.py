@@ -271,7 +271,7 @@ class Cell:
 class Session:
     """Runs measurements one at a time, with launcher output in a log and nothing left behind."""
 
-    def __init__(self, workdir: Path, log_path: Path) -> None:
+    def __init__(self, workdir: Path, log_path: Path, peers: list[str]) -> None:
         self.workdir = workdir
         self.log_path = log_path
         self.notes: list[str] = []
@@ -297,6 +297,7 @@ class Session:
             "torchrun": functools.partial(run_torchrun, worker=worker),
             "notebook_launcher": run_notebook_launcher,
         }
+        self.launchers = {name: run for name, run in self.launchers.items() if name == "fanrun" or name in peers}
 
     def attempt(self, label: str, measure: Callable[[str], object]) -> object:
         """Runs one measurement in a fresh directory; returns its value or the exception."""
@@ -391,6 +392,9 @@ def measure_all(session: Session, kind: str, measure: Callable, ranks: list[int]
     """`repeat` rounds for each N. The launchers take turns within a round, so that drift in
     the machine's load spreads over all of them instead of landing on one."""
     cells = {(n, name): Cell() for n in ranks for name in LAUNCHERS}
+    for (n, name), cell in cells.items():
+        if name not in session.launchers:
+            cell.problem = "n/a: left out by --peers"
     for n in ranks:
         for index in range(repeat):
             for name, launch in session.launchers.items():
@@ -568,6 +572,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--failure-ranks", type=int, nargs="+", default=[2], help="N for the failure latency")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per launcher and N")
     parser.add_argument("--json", type=Path, help="also write every sample to this file")
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS), help="the peers to measure (default: all)")
     args = parser.parse_args()
     if args.repeat < 1 or min(args.ranks + args.failure_ranks) < 1:
         parser.error("--repeat and every N must be at least 1")
@@ -582,7 +587,7 @@ def main() -> None:
     os.close(descriptor)  # reopened for each measurement
     started, machine_start, own_start = time.monotonic(), machine_busy_s(), own_busy_s()
     with tempfile.TemporaryDirectory(prefix="fanrun-launch-bench-") as workdir:
-        session = Session(Path(workdir), Path(log_name))
+        session = Session(Path(workdir), Path(log_name), args.peers)
         warm_up(session)
         launch = measure_all(session, "launch", measure_launch, args.ranks, args.repeat)
         failure = measure_all(session, "failure", measure_failure, args.failure_ranks, args.repeat)

@@ -1,7 +1,7 @@
 """Training throughput (steps/s) of DDP and FSDP under fanrun and under torchrun, from one run on
 the same machine: once training runs, the launcher must cost nothing (ratio 1.00 within noise).
 
-    python benchmarks/throughput.py [--steps 200] [--repeat 3] [--ranks N]
+    python benchmarks/throughput.py [--steps 200] [--repeat 3] [--ranks N] [--kinds ddp fsdp]
 
 Each rank times its own training loop after a warm-up; rank 0's figure is reported.
 """
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=None, help="default: every GPU, else 2")
+    parser.add_argument("--kinds", nargs="+", choices=["ddp", "fsdp"], default=["ddp", "fsdp"])
     parser.add_argument("--worker", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:  # a torchrun rank
@@ -95,7 +96,7 @@ def main() -> None:
     where = f"{ranks} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"{ranks} CPU processes"
     print(f"{where}; torch {torch.__version__}; {args.steps} timed steps after {args.warmup}, {args.repeat} repeats, alternating")
     print(f"{'model':6} {'fanrun steps/s':>16} {'torchrun steps/s':>17} {'fanrun/torchrun':>16}")
-    for kind in ("ddp", "fsdp"):
+    for kind in args.kinds:
         fanrun_rates, torchrun_rates = [], []
         for _ in range(args.repeat):  # alternate, so that drift hits both alike
             fanrun_rates.append(under_fanrun(kind, ranks, args.steps, args.warmup))

@@ -11,6 +11,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from gpus import needs_gpus
 from processes import wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,3 +112,36 @@ def test_kernel_interrupt_stops_every_rank_and_keeps_the_kernel(tmp_path, monkey
     assert "[rank0]: rank waiting 0" in stream_text(notebook.cells[1])
     assert stream_text(notebook.cells[2]) == "after the interrupt: [10, 11]\n"
     assert wait_gone(pids, timeout=5) == []
+
+
+CUDA_FIRST_CELLS = [
+    # The kernel itself holds a CUDA context, as after any GPU work in a notebook: launchers
+    # that fork the kernel fail here ("Cannot re-initialize CUDA in forked subprocess").
+    "import torch\nheld = torch.ones(1024, 1024, device='cuda')\nprint('kernel CUDA context:', held.device)",
+    """from fanrun import distributed
+
+@distributed(num_accelerators=2)
+def all_reduce_on_gpus():
+    import os
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    total = torch.tensor([dist.get_rank() + 1.0], device="cuda")
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return total.item()
+
+print("returned", all_reduce_on_gpus.distributed())""",
+    "print('kernel tensor still usable:', float(held.sum()))",
+]
+
+
+@needs_gpus(2)
+def test_a_kernel_that_initialised_cuda_launches_on_the_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in CUDA_FIRST_CELLS])
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert stream_text(notebook.cells[0]) == "kernel CUDA context: cuda:0\n"
+    assert "returned [3.0, 3.0]" in stream_text(notebook.cells[1])
+    assert stream_text(notebook.cells[2]) == f"kernel tensor still usable: {1024.0 * 1024.0}\n"

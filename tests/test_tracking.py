@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+from gpus import needs_gpus
 from mlflow_server import MlflowServer, free_port
 
 import fanrun
@@ -536,6 +537,38 @@ def test_gpu_metrics_are_skipped_without_a_driver(monkeypatch):
     assert sampler.stop(join_timeout=10)
     sampler.sample()
     assert len(logged) == 2 and not any(key.startswith("system/gpu_") for metrics in logged for key in metrics)
+
+
+
+@distributed(num_accelerators=2)
+def busy_gpus(seconds: float) -> int:
+    import os
+    import time
+
+    import torch
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    block = torch.randn(8192, 8192, device="cuda")  # 256 MiB: a memory reading well above zero
+    ended = time.monotonic() + seconds
+    while time.monotonic() < ended:
+        block = torch.tanh(block @ block)
+        torch.cuda.synchronize()
+    return torch.cuda.current_device()
+
+
+@needs_gpus(2)
+def test_gpu_utilisation_and_memory_reach_the_run(sqlite_store, monkeypatch):
+    client, experiment_id = sqlite_store
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+    assert busy_gpus.distributed(4.0) == [0, 1]
+    run = only_run(client, experiment_id)
+    assert run.data.params["fanrun.accelerator_type"].startswith("GPU_2x")
+    for gpu in (0, 1):
+        utilisation = client.get_metric_history(run.info.run_id, f"system/gpu_{gpu}_utilization_percentage")
+        memory = client.get_metric_history(run.info.run_id, f"system/gpu_{gpu}_memory_usage_megabytes")
+        assert len(utilisation) >= 4 and max(m.value for m in utilisation) > 50
+        assert max(m.value for m in memory) > 256
+        assert 0 < run.data.metrics[f"system/gpu_{gpu}_memory_usage_percentage"] <= 100
 
 
 NOTEBOOK_CELL = """
