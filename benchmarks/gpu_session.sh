@@ -2,7 +2,7 @@
 # The GPU sessions behind docs/gpu.md: build fanrun on the GPU machine, then run the named
 # parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
 # given as wheels in .whl/.
-#   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [throughput] [launch]
+#   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [throughput] [launch] [tracking]
 set -u
 OUT=${OUT:-/tmp/fanrun-gpu}
 mkdir -p "$OUT"
@@ -42,6 +42,7 @@ for part in $parts; do
     throughput) step throughput 300 python3 benchmarks/throughput.py --steps 100 --repeat 3 --kinds ${KINDS:-ddp fsdp} ;;
     # The launcher alone: MLflow tracking, on by default, is measured in benchmarks/tracking.py.
     launch) FANRUN_TRACKING=0 step launch 300 python3 benchmarks/launch.py --ranks ${RANKS:-1 2} --repeat ${REPEAT:-3} ${LAUNCH_ARGS:-} ;;
+    tracking) step tracking 300 python3 benchmarks/tracking.py ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done

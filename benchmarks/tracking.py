@@ -86,7 +86,8 @@ def measure(ranks: int, steps: int, warmup: int, tracking: bool, log: bool, asyn
 
     # The run's link and the ranks' output go to stderr: stdout holds the report alone.
     with environment(MLFLOW_ENABLE_ASYNC_LOGGING=async_logging), contextlib.redirect_stdout(sys.stderr):
-        results = distributed(num_accelerators=ranks, tracking=tracking)(train).distributed(steps, warmup, log)
+        # CPU processes with gloo on any machine, GPUs or not: the loop is the same everywhere.
+        results = distributed(num_accelerators=ranks, accelerator_type="CPU", tracking=tracking)(train).distributed(steps, warmup, log)
     points = None
     if tracking:
         import mlflow
