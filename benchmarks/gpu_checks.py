@@ -4,6 +4,7 @@ CUDA first, a rank raising and a rank SIGKILLed mid-training, and a rank hung in
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def report(name: str, started: float, outcome: str) -> None:
 
 
 @distributed()
-def train_and_maybe_fail(mode: str, steps: int = 400) -> float:
+def train_and_maybe_fail(mode: str, failing_rank: int = 1, steps: int = 400) -> float:
     import os
     import signal
 
@@ -54,10 +55,10 @@ def train_and_maybe_fail(mode: str, steps: int = 400) -> float:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step == steps // 2 and dist.get_rank() == 1:
+        if step == steps // 2 and dist.get_rank() == failing_rank:
             torch.cuda.synchronize()
             if mode == "raise":
-                raise RuntimeError(f"rank 1 gave up at step {step}")
+                raise RuntimeError(f"rank {failing_rank} gave up at step {step}")
             if mode == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if mode == "hang":
@@ -94,10 +95,10 @@ def cuda_live_in_caller() -> str:
     return f"returned {losses}"
 
 
-def failing(mode: str, expected: type):
+def failing(mode: str, rank: int, expected: type):
     def body() -> str:
         try:
-            train_and_maybe_fail.distributed(mode)
+            train_and_maybe_fail.distributed(mode, rank)
         except expected as error:
             return f"{type(error).__name__}: {str(error).splitlines()[0]}"
         return "no error (unexpected)"
@@ -116,12 +117,17 @@ def hung_collective() -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    last = max(torch.cuda.device_count() - 1, 1)
+    parser.add_argument("--raise-rank", type=int, default=last, help="the rank that raises (default: the last)")
+    parser.add_argument("--kill-rank", type=int, default=last, help="the rank SIGKILLed (default: the last)")
+    args = parser.parse_args()
     print(f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     print(f"before: GPU processes: [{gpu_processes() or 'none'}]; memory used: {memory_used()}", flush=True)
     scenario("DDP demo, @distributed() on every GPU with NCCL", ddp_demo)
     scenario("caller initialised CUDA first", cuda_live_in_caller)
-    scenario("rank 1 raises mid-training", failing("raise", RuntimeError))
-    scenario("rank 1 is SIGKILLed mid-training", failing("sigkill", fanrun.RankFailedError))
+    scenario(f"rank {args.raise_rank} raises mid-training", failing("raise", args.raise_rank, RuntimeError))
+    scenario(f"rank {args.kill_rank} is SIGKILLed mid-training", failing("sigkill", args.kill_rank, fanrun.RankFailedError))
     scenario("rank 1 hangs, rank 0 waits in NCCL (timeout=20 s)", hung_collective)
 
 

@@ -2,7 +2,9 @@
 # The GPU sessions behind docs/gpu.md: build fanrun on the GPU machine, then run the named
 # parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
 # given as wheels in .whl/.
-#   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [throughput] [launch] [tracking]
+#   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
+# On eight GPUs (issue: the 8-GPU node):
+#   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
 set -u
 OUT=${OUT:-/tmp/fanrun-gpu}
 mkdir -p "$OUT"
@@ -33,7 +35,12 @@ pytest_step() {
 parts=${*:-checks gpu-tests notebooks throughput launch}
 for part in $parts; do
   case $part in
-    checks) step gpu_checks 200 python3 benchmarks/gpu_checks.py ;;
+    checks) step gpu_checks 200 python3 benchmarks/gpu_checks.py ${CHECK_ARGS:-} ;;
+    # The examples as scripts, on every GPU (@distributed() with no arguments).
+    examples)
+      for example in ddp_quickstart fsdp deepspeed_zero; do
+        (cd "$(mktemp -d)" && step "example_$example" 300 python3 "$OLDPWD/examples/$example.py")
+      done ;;
     gpu-tests) pytest_step gpu_tests 200 tests/test_notebooks.py tests/test_tracking.py -k "gpu or cuda" -rs ;;
     notebooks)
       for test in ddp_quickstart fsdp deepspeed_zero from_torchdistributor kernel_interrupt; do
