@@ -68,14 +68,6 @@ void BindCheckpoint(nb::module_& m) {
     }
     return ValueOrThrow(std::move(previous));
   }, nb::arg("staging"), nb::arg("target"));
-  m.def("sync_directory", [](const std::string& path) {
-    Status st;
-    {
-      nb::gil_scoped_release release;
-      st = SyncDirectory(path);
-    }
-    ThrowIfError(st);
-  }, nb::arg("path"));
   m.def("crc32c_has_hardware", &Crc32cHasHardware);
 }
 

@@ -46,3 +46,16 @@ class GpuSampler:
     # One dict per index, in order: nvml_index, utilization_percent, memory_used and
     # memory_total (bytes); a field NVML could not read is None.
     def sample(self, nvml_indices: list[int]) -> list[dict]: ...
+
+# Checkpoint I/O engine (cpp/src/checkpoint_*.cc); addresses are tensor data pointers the caller keeps alive.
+CHECKPOINT_CHUNK_BYTES: int
+
+# items: (address, size, offset, label); returns each item's CRC32C. The file must not exist.
+def write_checkpoint_file(path: str, items: list[tuple[int, int, int, str]], threads: int, chunk_bytes: int) -> list[int]: ...
+# items: (file index, offset, size, destination address, expected CRC32C, label).
+def read_checkpoint_items(
+    files: list[str], items: list[tuple[int, int, int, int, int, str]], threads: int, chunk_bytes: int
+) -> None: ...
+# Returns where the replaced checkpoint now lies ("" if there was none), for the caller to remove.
+def publish_directory(staging: str, target: str) -> str: ...
+def crc32c_has_hardware() -> bool: ...
