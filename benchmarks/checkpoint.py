@@ -34,9 +34,11 @@ GOAL_FRACTION = 0.9
 # ---------------------------------------------------------------- what each rank runs
 
 
-def rank_main(directory: str, total_bytes: int, device: str, async_timeout_s: float) -> None:
-    """Every method's save, cold load and warm load on this rank's part, then async_save.
-    Results go to a JSON file per rank (a save that never completes must not lose them)."""
+def rank_main(directory: str, total_bytes: int, device: str, repeat: int, async_timeout_s: float) -> None:
+    """Every method's save, cold load and warm load on this rank's part (the best of `repeat`
+    rounds: the first save of GPU tensors also allocates pinned memory, which later saves reuse),
+    then async_save. Results go to a JSON file per rank (a save that never completes must not
+    lose them)."""
     import torch
     import torch.distributed as dist
 
@@ -63,17 +65,20 @@ def rank_main(directory: str, total_bytes: int, device: str, async_timeout_s: fl
             shutil.rmtree(target, ignore_errors=True)
 
     for method in METHODS:
-        target = os.path.join(directory, f"ckpt-{method}")
-        save_s = timed(lambda: save(method, state, target, rank))
-        drop_page_cache(target)
-        cold_s = timed(lambda: load(method, state, target, rank))
-        warm_s = timed(lambda: load(method, state, target, rank))
-        verify(state, rank, world, total_bytes)
-        results["methods"][method] = {"save_s": save_s, "cold_s": cold_s, "warm_s": warm_s}
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(target, ignore_errors=True)
-        dist.barrier()
+        best = {"save_s": float("inf"), "cold_s": float("inf"), "warm_s": float("inf")}
+        for _ in range(repeat):
+            target = os.path.join(directory, f"ckpt-{method}")
+            times = {"save_s": timed(lambda: save(method, state, target, rank))}
+            drop_page_cache(target)
+            times["cold_s"] = timed(lambda: load(method, state, target, rank))
+            times["warm_s"] = timed(lambda: load(method, state, target, rank))
+            verify(state, rank, world, total_bytes)
+            best = {key: min(best[key], times[key]) for key in best}
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(target, ignore_errors=True)
+            dist.barrier()
+        results["methods"][method] = best
 
     results["d2h_s"] = host_copy_seconds(state)
     results["async"] = {}
@@ -236,14 +241,14 @@ def raw_disk(directory: str, size_bytes: int) -> tuple[float, float]:
     return write, read
 
 
-def run_case(size_gb: float, ranks: int, device: str, base: str, async_timeout_s: float) -> dict:
+def run_case(size_gb: float, ranks: int, device: str, base: str, repeat: int, async_timeout_s: float) -> dict:
     from fanrun import RankFailedError, distributed
 
     directory = tempfile.mkdtemp(prefix=f"ckpt-{size_gb}g-{ranks}r-", dir=base)
     try:
         try:
             distributed(num_accelerators=ranks)(rank_main).distributed(
-                directory, int(size_gb * 1e9), device, async_timeout_s
+                directory, int(size_gb * 1e9), device, repeat, async_timeout_s
             )
         except RankFailedError as error:
             print(f"  ({ranks} ranks, {size_gb} GB: {str(error).splitlines()[0]})", file=sys.stderr)
@@ -256,9 +261,10 @@ def gbps(size_bytes: int, seconds: float | None) -> str:
     return "-" if not seconds else f"{size_bytes / seconds / 1e9:.2f}"
 
 
-def report(cases: list[tuple[float, int, dict]], raw: tuple[float, float]) -> None:
+def report(cases: list[tuple[float, int, dict]], raw: tuple[float, float], repeat: int) -> None:
     write_raw, read_raw = raw
-    print(f"Raw disk (dd, O_DIRECT): write {write_raw:.2f} GB/s, read {read_raw:.2f} GB/s\n")
+    print(f"Raw disk (dd, O_DIRECT, the faster of before and after): write {write_raw:.2f} GB/s, "
+          f"read {read_raw:.2f} GB/s\n")
     for phase, key in (("Save (durable except torch.save)", "save_s"), ("Load, cold cache", "cold_s"),
                        ("Load, warm cache", "warm_s")):
         header = ["GB", "ranks", *METHODS, *(f"fanrun/{p}" for p in PEERS), "fanrun/raw"]
@@ -270,7 +276,7 @@ def report(cases: list[tuple[float, int, dict]], raw: tuple[float, float]) -> No
             limit = write_raw if key == "save_s" else read_raw
             row.append(f"{result['bytes'] / m['fanrun'][key] / 1e9 / limit:.0%}")
             rows.append(row)
-        print_table(f"{phase}, GB/s (ratios: fanrun speed over the peer's)", header, rows)
+        print_table(f"{phase}, GB/s, best of {repeat} (ratios: fanrun's speed over the peer's)", header, rows)
     header = ["GB", "ranks", "D2H copy s", "writer", "blocked s (1st)", "done s (1st)",
               "blocked s (2nd)", "done s (2nd)", "blocked/D2H (2nd)"]
     rows = []
@@ -321,6 +327,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="rank counts (default 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dir", default=None, help="where to write (default: the temporary directory)")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds per method; the best is shown (default 2)")
     parser.add_argument("--async-timeout", type=float, default=300.0,
                         help="seconds to wait for an async_save before calling it not completed")
     args = parser.parse_args()
@@ -334,13 +341,16 @@ def main() -> None:
           f"device {args.device}, CRC32C in hardware: {_core.crc32c_has_hardware()}, "
           f"directory {args.dir or tempfile.gettempdir()}\n")
     base = args.dir or tempfile.gettempdir()
-    raw = raw_disk(base, int(max(args.sizes) * 1e9))
+    raw_size = int(max(args.sizes) * 1e9)
+    before = raw_disk(base, raw_size)
     cases = []
     for size_gb in args.sizes:
         for ranks in args.ranks:
             print(f"measuring {size_gb:g} GB over {ranks} ranks ...", file=sys.stderr, flush=True)
-            cases.append((size_gb, ranks, run_case(size_gb, ranks, args.device, base, args.async_timeout)))
-    report(cases, raw)
+            cases.append((size_gb, ranks, run_case(size_gb, ranks, args.device, base, args.repeat, args.async_timeout)))
+    after = raw_disk(base, raw_size)
+    # The disk measured before and after the cases; the faster of the two is the limit.
+    report(cases, (max(before[0], after[0]), max(before[1], after[1])), args.repeat)
 
 
 if __name__ == "__main__":
