@@ -13,7 +13,7 @@ from fanrun import distributed
 
 
 @distributed(num_accelerators=2)
-def ddp_checkpoints(root: str, url_root: str):
+def ddp_checkpoints(root: str, url_root: str, local_staging: str):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -42,12 +42,12 @@ def ddp_checkpoints(root: str, url_root: str):
     def weights():
         return [p.detach().clone() for p in model.module.parameters()]
 
-    def load(path):
+    def load(path, **reader_options):
         fresh = DDP(make_model(seed=123))
         fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
         model_sd, optim_sd = get_state_dict(fresh, fresh_optimizer)
         loaded = {"model": model_sd, "optim": optim_sd, "step": -1, "note": ""}
-        dcp.load(loaded, storage_reader=VolumeReader(path))
+        dcp.load(loaded, storage_reader=VolumeReader(path, **reader_options))
         set_state_dict(fresh, fresh_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         momentum = [fresh_optimizer.state[p]["momentum_buffer"].clone() for p in fresh.module.parameters()]
         return [p.detach().clone() for p in fresh.module.parameters()], momentum, loaded["step"], loaded["note"]
@@ -81,14 +81,14 @@ def ddp_checkpoints(root: str, url_root: str):
     out["loaded3"] = load(latest_checkpoint(root))
 
     # An fsspec URL: staged on local disk, uploaded, overwritten in place.
-    dcp.save(state(4), storage_writer=VolumeWriter(f"{url_root}/step_4"))
+    dcp.save(state(4), storage_writer=VolumeWriter(f"{url_root}/step_4", local_staging_dir=local_staging))
     with torch.no_grad():
         for p in model.parameters():
             p.sub_(1.0)
     out["saved4"] = weights()
-    dcp.save(state(4), storage_writer=VolumeWriter(f"{url_root}/step_4"))
+    dcp.save(state(4), storage_writer=VolumeWriter(f"{url_root}/step_4", local_staging_dir=local_staging))
     out["latest_url"] = latest_checkpoint(url_root)
-    out["loaded4"] = load(out["latest_url"])
+    out["loaded4"] = load(out["latest_url"], local_staging_dir=local_staging)
     dist.destroy_process_group()
     return out
 
@@ -98,7 +98,9 @@ def ddp_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp") / "checkpoints"
     url_dir = tmp_path_factory.mktemp("url")
     url_root = f"file://{url_dir}/checkpoints"
-    results = ddp_checkpoints.distributed(str(root), url_root)
+    local_staging = tmp_path_factory.mktemp("local-staging")
+    results = ddp_checkpoints.distributed(str(root), url_root, str(local_staging))
+    assert os.listdir(local_staging) == []  # uploads and downloads staged there are removed
     return root, url_dir / "checkpoints", url_root, results
 
 
@@ -185,6 +187,28 @@ def test_latest_checkpoint_ignores_what_is_not_complete(tmp_path):
     data = tmp_path / "a" / next(iter(record["files"]))
     os.truncate(data, data.stat().st_size - 1)
     assert latest_checkpoint(tmp_path) == str(tmp_path / "b")
+
+
+def test_partial_save_of_a_live_process_is_not_a_leftover(tmp_path):
+    from fanrun.data._checkpoint_layout import partial_dir
+    from fanrun.data._checkpoint_storage import SaveLock, clean_leftovers
+
+    # An async save still writing in this process (or in another) holds its partial directory's
+    # lock: a new save in the same root must leave it alone, and clean it once the lock is free.
+    partial = partial_dir(str(tmp_path / "step_9"), "inflight")
+    lock = SaveLock(partial)
+    os.mkdir(partial)
+    assert clean_leftovers(str(tmp_path)) == []
+    assert os.path.isdir(partial)
+    # A crashed save's lock file is still there, but no process holds the lock any more.
+    abandoned = partial_dir(str(tmp_path / "step_8"), "dead")
+    os.mkdir(abandoned)
+    with open(abandoned + ".lock", "w"):
+        pass
+    assert clean_leftovers(str(tmp_path)) == [abandoned]
+    lock.release()
+    assert clean_leftovers(str(tmp_path)) == [partial]
+    assert os.listdir(tmp_path) == []
 
 
 def test_bad_arguments_are_refused_before_any_work(tmp_path):
