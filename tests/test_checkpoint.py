@@ -168,6 +168,24 @@ def test_memory_url_in_one_process():
         assert torch.equal(a, b)
 
 
+def test_items_written_in_many_batches_load_back(tmp_path, monkeypatch):
+    import torch
+
+    from fanrun.data import VolumeReader, VolumeWriter, _checkpoint_writer
+
+    # GPU tensors are copied and written in batches; tiny batches here make every item its own.
+    monkeypatch.setattr(_checkpoint_writer, "BATCH_BYTES", 1000)
+    model = make_model(seed=3)
+    state = {"model": model.state_dict(), "strided": torch.arange(60.0).reshape(6, 10).t(), "meta": {"a": 1}}
+    save_here(state, VolumeWriter(tmp_path / "ckpt", thread_count=3, chunk_bytes=4096))
+    other = make_model(seed=4)
+    loaded = {"model": other.state_dict(), "strided": torch.zeros(10, 6), "meta": {"a": 0}}
+    load_here(loaded, VolumeReader(tmp_path / "ckpt", thread_count=2, chunk_bytes=512))
+    for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(loaded["strided"], state["strided"]) and loaded["meta"] == {"a": 1}
+
+
 def test_latest_checkpoint_ignores_what_is_not_complete(tmp_path):
     from fanrun.data import VolumeWriter, latest_checkpoint
     from fanrun.data._checkpoint_layout import RECORD_NAME

@@ -1,8 +1,9 @@
-// Python access to the checkpoint I/O engine: parallel checked writes and reads of raw
-// memory (tensor data pointers the caller keeps alive), and atomic publication.
+// Python access to the checkpoint I/O engine: batched parallel writes and checked parallel reads
+// of raw memory (tensor data pointers the caller keeps alive), and atomic publication.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -22,8 +23,17 @@ using WriteTuple = std::tuple<uintptr_t, size_t, uint64_t, std::string>;  // (ad
 using ReadTuple = std::tuple<size_t, uint64_t, size_t, uintptr_t, uint32_t, std::string>;
 //                          (file, offset, size, destination address, crc32c, label)
 
-std::vector<uint32_t> WriteItems(const std::string& path, const std::vector<WriteTuple>& tuples, int threads,
-                                 size_t chunk_bytes) {
+std::unique_ptr<CheckpointFileWriter> CreateWriter(const std::string& path, uint64_t size, int threads,
+                                                   size_t chunk_bytes) {
+  Result<std::unique_ptr<CheckpointFileWriter>> writer = Status::Internal("not created");
+  {
+    nb::gil_scoped_release release;
+    writer = CheckpointFileWriter::Create(path, size, WriteOptions{threads, chunk_bytes});
+  }
+  return ValueOrThrow(std::move(writer));
+}
+
+std::vector<uint32_t> WriteBatch(CheckpointFileWriter& writer, const std::vector<WriteTuple>& tuples) {
   std::vector<WriteItem> items;
   items.reserve(tuples.size());
   for (const auto& [address, size, offset, label] : tuples) {
@@ -32,7 +42,7 @@ std::vector<uint32_t> WriteItems(const std::string& path, const std::vector<Writ
   Result<std::vector<uint32_t>> crcs = Status::Internal("not written");
   {
     nb::gil_scoped_release release;
-    crcs = WriteItemsToFile(path, items, WriteOptions{threads, chunk_bytes});
+    crcs = writer.Write(items);
   }
   return ValueOrThrow(std::move(crcs));
 }
@@ -56,8 +66,20 @@ void ReadItems(const std::vector<std::string>& files, const std::vector<ReadTupl
 
 void BindCheckpoint(nb::module_& m) {
   m.attr("CHECKPOINT_CHUNK_BYTES") = kDefaultChunkBytes;
-  m.def("write_checkpoint_file", &WriteItems, nb::arg("path"), nb::arg("items"), nb::arg("threads"),
-        nb::arg("chunk_bytes"));
+  nb::class_<CheckpointFileWriter>(m, "CheckpointFileWriter")
+      .def_static("create", &CreateWriter, nb::arg("path"), nb::arg("size"), nb::arg("threads"),
+                  nb::arg("chunk_bytes"))
+      .def("write", &WriteBatch, nb::arg("items"))
+      .def("finish", [](CheckpointFileWriter& writer) {
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = writer.Finish();
+        }
+        ThrowIfError(st);
+      })
+      .def("abort", &CheckpointFileWriter::Abort)
+      .def_prop_ro("path", &CheckpointFileWriter::path);
   m.def("read_checkpoint_items", &ReadItems, nb::arg("files"), nb::arg("items"), nb::arg("threads"),
         nb::arg("chunk_bytes"));
   m.def("publish_directory", [](const std::string& staging, const std::string& target) {

@@ -10,7 +10,6 @@
 #include <thread>
 
 #include "fanrun/checkpoint_crc32c.h"
-#include "fanrun/fd.h"
 
 namespace fanrun {
 namespace {
@@ -125,51 +124,71 @@ uint32_t CombineChunks(const std::vector<uint32_t>& chunk_crcs, const std::vecto
 
 }  // namespace
 
-Result<std::vector<uint32_t>> WriteItemsToFile(const std::string& path, const std::vector<WriteItem>& items,
-                                               const WriteOptions& options) {
+Result<std::unique_ptr<CheckpointFileWriter>> CheckpointFileWriter::Create(const std::string& path, uint64_t size,
+                                                                          const WriteOptions& options) {
   if (options.chunk_bytes == 0) return Status::Invalid("chunk_bytes must be positive");
-  uint64_t file_size = 0;
+  FANRUN_ASSIGN_OR_RETURN(FileDescriptor file, OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0644));
+  std::unique_ptr<CheckpointFileWriter> writer(new CheckpointFileWriter(path, std::move(file), options));
+  FANRUN_RETURN_NOT_OK(Reserve(writer->file_.fd(), size, path));  // the destructor removes the file
+  return writer;
+}
+
+CheckpointFileWriter::~CheckpointFileWriter() { Abort(); }
+
+void CheckpointFileWriter::Abort() {
+  if (finished_) return;
+  finished_ = true;
+  FANRUN_WARN_NOT_OK(file_.Close(), "closing an abandoned checkpoint file");
+  ::unlink(path_.c_str());
+}
+
+Result<std::vector<uint32_t>> CheckpointFileWriter::Write(const std::vector<WriteItem>& items) {
+  if (finished_) return Status::Invalid("Checkpoint file '", path_, "' is already finished");
   std::vector<size_t> sizes;
   sizes.reserve(items.size());
   for (const WriteItem& item : items) {
     if (item.size > 0 && item.data == nullptr) return Status::Invalid("Item '", item.label, "' has no data");
-    file_size = std::max<uint64_t>(file_size, item.offset + item.size);
     sizes.push_back(item.size);
   }
-  FANRUN_ASSIGN_OR_RETURN(FileDescriptor file, OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0644));
-  // Whatever fails from here on, no partial file is left behind to be mistaken for data.
-  auto fail = [&](Status st) -> Status {
-    FANRUN_WARN_NOT_OK(file.Close(), "closing a failed checkpoint file");
-    ::unlink(path.c_str());
-    return st;
-  };
-  Status st = Reserve(file.fd(), file_size, path);
-  if (!st.ok()) return fail(std::move(st));
-
   std::vector<size_t> first_chunk;
-  const std::vector<Chunk> chunks = CutIntoChunks(sizes, options.chunk_bytes, &first_chunk);
+  const std::vector<Chunk> chunks = CutIntoChunks(sizes, options_.chunk_bytes, &first_chunk);
   std::vector<uint32_t> chunk_crcs(chunks.size(), 0);
-  const int fd = file.fd();
-  st = RunOnThreads(chunks.size(), options.threads, [&](size_t index) -> Status {
+  const int fd = file_.fd();
+  FANRUN_RETURN_NOT_OK(RunOnThreads(chunks.size(), options_.threads, [&](size_t index) -> Status {
     const Chunk& chunk = chunks[index];
     const WriteItem& item = items[chunk.item];
     if (chunk.size == 0) return Status::OK();
     const char* data = static_cast<const char*>(item.data) + chunk.offset_in_item;
     chunk_crcs[index] = Crc32c(0, data, chunk.size);
     const uint64_t offset = item.offset + chunk.offset_in_item;
-    FANRUN_RETURN_NOT_OK(PwriteAll(fd, data, chunk.size, offset, path, item.label));
+    Status st = PwriteAll(fd, data, chunk.size, offset, path_, item.label);
+    if (!st.ok()) return st;
     // Starts writeback of this chunk now, so that the disk works while later chunks are
     // still being copied and the final fsync has little left to wait for.
     ::sync_file_range(fd, static_cast<off_t>(offset), static_cast<off_t>(chunk.size), SYNC_FILE_RANGE_WRITE);
     return Status::OK();
-  });
-  if (!st.ok()) return fail(std::move(st));
-  if (::fsync(fd) != 0) return fail(Status::IOErrorFromErrno(errno, "Failed to fsync '", path, "'"));
-  st = file.Close();
-  if (!st.ok()) return fail(std::move(st));
-
+  }));
   std::vector<uint32_t> crcs(items.size());
   for (size_t i = 0; i < items.size(); ++i) crcs[i] = CombineChunks(chunk_crcs, chunks, first_chunk[i], first_chunk[i + 1]);
+  return crcs;
+}
+
+Status CheckpointFileWriter::Finish() {
+  if (finished_) return Status::Invalid("Checkpoint file '", path_, "' is already finished");
+  if (::fsync(file_.fd()) != 0) return Status::IOErrorFromErrno(errno, "Failed to fsync '", path_, "'");
+  FANRUN_RETURN_NOT_OK(file_.Close());
+  finished_ = true;
+  return Status::OK();
+}
+
+Result<std::vector<uint32_t>> WriteItemsToFile(const std::string& path, const std::vector<WriteItem>& items,
+                                               const WriteOptions& options) {
+  uint64_t size = 0;
+  for (const WriteItem& item : items) size = std::max<uint64_t>(size, item.offset + item.size);
+  FANRUN_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointFileWriter> writer,
+                          CheckpointFileWriter::Create(path, size, options));
+  FANRUN_ASSIGN_OR_RETURN(std::vector<uint32_t> crcs, writer->Write(items));
+  FANRUN_RETURN_NOT_OK(writer->Finish());
   return crcs;
 }
 

@@ -66,6 +66,46 @@ TEST_F(CheckpointIoTest, RoundTripWithManyThreadsAndSmallChunks) {
   EXPECT_EQ(back, data_);
 }
 
+TEST_F(CheckpointIoTest, BatchesWrittenOneAfterAnotherReadBackAsOneFile) {
+  const std::string path = dir_ + "/rank0.data";
+  const auto items = Items();
+  const uint64_t size = items.back().offset + items.back().size;
+  auto writer = CheckpointFileWriter::Create(path, size, WriteOptions{3, 4096});
+  ASSERT_TRUE(writer.ok()) << writer.status().message();
+  auto first = (*writer)->Write({items[0], items[1]});
+  auto second = (*writer)->Write({items[2], items[3], items[4]});
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_TRUE((*writer)->Finish().ok());
+  EXPECT_FALSE((*writer)->Write({items[0]}).ok());  // finished: no more writes
+
+  std::vector<uint32_t> crcs = *first;
+  crcs.insert(crcs.end(), second->begin(), second->end());
+  std::vector<std::vector<unsigned char>> back(items.size());
+  std::vector<ReadItem> reads;
+  for (size_t i = 0; i < items.size(); ++i) {
+    back[i].resize(items[i].size);
+    reads.push_back(ReadItem{0, items[i].offset, items[i].size, back[i].data(), crcs[i], items[i].label});
+  }
+  ASSERT_TRUE(ReadItemsFromFiles({path}, reads, ReadOptions{}).ok());
+  EXPECT_EQ(back, data_);
+}
+
+TEST_F(CheckpointIoTest, AbortedOrAbandonedWriterRemovesItsFile) {
+  const std::string path = dir_ + "/rank0.data";
+  const auto items = Items();
+  {
+    auto writer = CheckpointFileWriter::Create(path, 1 << 20, WriteOptions{});
+    ASSERT_TRUE(writer.ok());
+    ASSERT_TRUE((*writer)->Write({items[0]}).ok());
+    EXPECT_EQ(::access(path.c_str(), F_OK), 0);
+  }  // destroyed without Finish
+  EXPECT_NE(::access(path.c_str(), F_OK), 0);
+  auto writer = CheckpointFileWriter::Create(path, 1 << 20, WriteOptions{});
+  ASSERT_TRUE(writer.ok());
+  (*writer)->Abort();
+  EXPECT_NE(::access(path.c_str(), F_OK), 0);
+}
+
 TEST_F(CheckpointIoTest, ExistingFileIsNotOverwritten) {
   const std::string path = dir_ + "/rank0.data";
   ASSERT_TRUE(WriteItemsToFile(path, Items(), WriteOptions{}).ok());

@@ -50,8 +50,17 @@ class GpuSampler:
 # Checkpoint I/O engine (cpp/src/checkpoint_*.cc); addresses are tensor data pointers the caller keeps alive.
 CHECKPOINT_CHUNK_BYTES: int
 
-# items: (address, size, offset, label); returns each item's CRC32C. The file must not exist.
-def write_checkpoint_file(path: str, items: list[tuple[int, int, int, str]], threads: int, chunk_bytes: int) -> list[int]: ...
+# One rank's data file, written in batches; removed unless finish() succeeds (abort() or garbage).
+class CheckpointFileWriter:
+    # The file must not exist; size bytes are reserved at once.
+    @staticmethod
+    def create(path: str, size: int, threads: int, chunk_bytes: int) -> CheckpointFileWriter: ...
+    # items: (address, size, offset, label); returns each item's CRC32C.
+    def write(self, items: list[tuple[int, int, int, str]]) -> list[int]: ...
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+    @property
+    def path(self) -> str: ...
 # items: (file index, offset, size, destination address, expected CRC32C, label).
 def read_checkpoint_items(
     files: list[str], items: list[tuple[int, int, int, int, int, str]], threads: int, chunk_bytes: int

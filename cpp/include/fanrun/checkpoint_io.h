@@ -5,9 +5,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "fanrun/fd.h"
 #include "fanrun/status.h"
 
 namespace fanrun {
@@ -28,10 +30,40 @@ struct WriteOptions {
   size_t chunk_bytes = kDefaultChunkBytes;
 };
 
-// Creates `path` (it must not exist), writes every item at its offset, fsyncs the file and
-// returns each item's CRC32C in item order. Space for the whole file is reserved first, so
-// that a full disk or a file-size limit is reported before any data is written. On error the
-// partial file is removed.
+// One rank's data file, written in batches: the caller can prepare the next batch (copy it
+// from the GPU) while the threads write this one. Until Finish() succeeds, the file is removed
+// when the writer is destroyed or aborted, so a failed save never leaves a partial file.
+class CheckpointFileWriter {
+ public:
+  // Creates `path` (it must not exist) and reserves `size` bytes, so that a full disk or a
+  // file-size limit is reported before any data is written.
+  static Result<std::unique_ptr<CheckpointFileWriter>> Create(const std::string& path, uint64_t size,
+                                                             const WriteOptions& options);
+  CheckpointFileWriter(const CheckpointFileWriter&) = delete;
+  CheckpointFileWriter& operator=(const CheckpointFileWriter&) = delete;
+  ~CheckpointFileWriter();
+
+  // Writes every item at its offset with the writer's threads and returns each item's CRC32C,
+  // in item order. Writeback of each chunk starts as soon as it is written.
+  Result<std::vector<uint32_t>> Write(const std::vector<WriteItem>& items);
+  // fsyncs and closes the file; after this the file stays.
+  Status Finish();
+  // Closes and removes the file (a no-op after Finish).
+  void Abort();
+
+  const std::string& path() const { return path_; }
+
+ private:
+  CheckpointFileWriter(std::string path, FileDescriptor file, WriteOptions options)
+      : path_(std::move(path)), file_(std::move(file)), options_(options) {}
+
+  std::string path_;
+  FileDescriptor file_;
+  WriteOptions options_;
+  bool finished_ = false;
+};
+
+// The whole file in one batch: Create, Write, Finish.
 Result<std::vector<uint32_t>> WriteItemsToFile(const std::string& path, const std::vector<WriteItem>& items,
                                                const WriteOptions& options);
 

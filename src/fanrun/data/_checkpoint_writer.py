@@ -28,6 +28,8 @@ from . import _checkpoint_storage as storage
 from ._checkpoint_staging import HostCopies, stage_state_dict
 
 DEFAULT_THREADS = 8
+# Device tensors are copied to host memory and written in batches of about this size.
+BATCH_BYTES = 256 << 20
 
 
 class VolumeWriter(StorageWriter, AsyncStager):
@@ -199,40 +201,36 @@ class VolumeWriter(StorageWriter, AsyncStager):
         if self._staged is not None:
             self._staged.ready()
             self._staged = None
-        copies = HostCopies()
-        buffers: list[torch.Tensor] = []  # kept alive until the engine has written them
-        items = []
-        entries = []
+        # Every item is resolved first, because the file's size is reserved before any write;
+        # device tensors are not copied yet.
+        entries: list[_Entry] = []
         offset = 0
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 raw = bytearray(data.getbuffer() if isinstance(data, io.BytesIO) else data)
-                buffer = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                tensor = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
                 dtype = shape = None
             else:
-                buffer = data.detach()
-                if buffer.device.type != "cpu":
-                    buffer = copies.tensor(buffer)
-                elif not buffer.is_contiguous():
-                    buffer = buffer.contiguous()
-                dtype, shape = str(buffer.dtype).removeprefix("torch."), tuple(buffer.shape)
-            size = buffer.numel() * buffer.element_size()
-            buffers.append(buffer)
-            label = _label(item.index)
-            items.append((buffer.data_ptr() if size else 0, size, offset, label))
-            entries.append((item, offset, size, dtype, shape))
+                tensor = data.detach()
+                dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+            size = tensor.numel() * tensor.element_size()
+            entries.append(_Entry(item, tensor, offset, size, dtype, shape))
             offset = layout.aligned(offset + size)
-        copies.record()
-        copies.ready()
 
         local_dir = target.staging_dir
         if local_dir is None:
             local_dir = os.path.join(self.local_staging_dir, f"fanrun-upload-{target.save_id}-r{self.rank}")
             os.makedirs(local_dir, exist_ok=True)
         local_file = os.path.join(local_dir, target.file_name)
-        crcs = _core.write_checkpoint_file(local_file, items, self.thread_count, self.chunk_bytes)
-        del buffers
+        file_size = max((e.offset + e.size for e in entries), default=0)
+        writer = _core.CheckpointFileWriter.create(local_file, file_size, self.thread_count, self.chunk_bytes)
+        try:
+            crcs = self._write_batches(writer, entries)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
         if self.remote:
             remote = storage.RemoteStorage(self.path)
             try:
@@ -243,15 +241,35 @@ class VolumeWriter(StorageWriter, AsyncStager):
 
         results = [
             WriteResult(
-                index=item.index,
-                size_in_bytes=size,
-                storage_data=layout.ItemLocation(target.file_name, offset, size, crc, dtype, shape),
+                index=e.item.index,
+                size_in_bytes=e.size,
+                storage_data=layout.ItemLocation(target.file_name, e.offset, e.size, crc, e.dtype, e.shape),
             )
-            for (item, offset, size, dtype, shape), crc in zip(entries, crcs, strict=True)
+            for e, crc in zip(entries, crcs, strict=True)
         ]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    @staticmethod
+    def _write_batches(writer: _core.CheckpointFileWriter, entries: list[_Entry]) -> list[int]:
+        """Writes the entries batch by batch; device tensors of the next batch are copied to
+        pinned host memory while the engine writes this one, so the GPU copy and the disk overlap
+        and at most two batches are held in host memory. Host tensors are written in place."""
+        batches = _batches(entries, BATCH_BYTES)
+        crcs: list[int] = []
+        following = _to_host(batches[0]) if batches else None
+        for index, batch in enumerate(batches):
+            hosts, copies = following
+            following = _to_host(batches[index + 1]) if index + 1 < len(batches) else None
+            copies.ready()
+            items = [
+                (host.data_ptr() if e.size else 0, e.size, e.offset, _label(e.item.index))
+                for e, host in zip(batch, hosts, strict=True)
+            ]
+            crcs += writer.write(items)
+            del hosts  # pinned memory goes back to torch's cache, for the batch after next
+        return crcs
 
     # ------------------------------------------------------------ publishing (coordinator)
 
@@ -298,6 +316,46 @@ class VolumeWriter(StorageWriter, AsyncStager):
         for name in remote.list_names(self.path):
             if name not in keep:
                 remote.fs.rm(remote.join(self.path, name), recursive=True)
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One item of this rank's file: its data (a tensor on any device, or the bytes of a pickled
+    object as a uint8 tensor) and where it goes."""
+
+    item: Any
+    tensor: torch.Tensor
+    offset: int
+    size: int
+    dtype: str | None
+    shape: tuple[int, ...] | None
+
+
+def _batches(entries: list[_Entry], batch_bytes: int) -> list[list[_Entry]]:
+    batches: list[list[_Entry]] = []
+    size = batch_bytes
+    for entry in entries:
+        if size >= batch_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(entry)
+        size += entry.size
+    return batches
+
+
+def _to_host(batch: list[_Entry]) -> tuple[list[torch.Tensor], HostCopies]:
+    """Contiguous host tensors for a batch; device tensors are copied (queued, see HostCopies)."""
+    copies = HostCopies()
+    hosts = []
+    for entry in batch:
+        tensor = entry.tensor
+        if tensor.device.type != "cpu":
+            tensor = copies.tensor(tensor)
+        elif not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        hosts.append(tensor)
+    copies.record()
+    return hosts, copies
 
 
 def _label(index: Any) -> str:
