@@ -168,13 +168,15 @@ def test_memory_url_in_one_process():
         assert torch.equal(a, b)
 
 
-def test_items_written_in_many_batches_load_back(tmp_path, monkeypatch):
+def test_items_written_and_read_in_many_batches_load_back(tmp_path, monkeypatch):
     import torch
 
-    from fanrun.data import VolumeReader, VolumeWriter, _checkpoint_writer
+    from fanrun.data import VolumeReader, VolumeWriter, _checkpoint_reader, _checkpoint_writer
 
-    # GPU tensors are copied and written in batches; tiny batches here make every item its own.
+    # Items are written and read in batches (GPU tensors pass through pinned memory a batch at a
+    # time); tiny batches here make nearly every item its own.
     monkeypatch.setattr(_checkpoint_writer, "BATCH_BYTES", 1000)
+    monkeypatch.setattr(_checkpoint_reader, "BATCH_BYTES", 1000)
     model = make_model(seed=3)
     state = {"model": model.state_dict(), "strided": torch.arange(60.0).reshape(6, 10).t(), "meta": {"a": 1}}
     save_here(state, VolumeWriter(tmp_path / "ckpt", thread_count=3, chunk_bytes=4096))

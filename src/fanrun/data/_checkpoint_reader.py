@@ -20,7 +20,7 @@ from torch.futures import Future
 from .. import _core
 from . import _checkpoint_layout as layout
 from . import _checkpoint_storage as storage
-from ._checkpoint_writer import DEFAULT_THREADS, _label
+from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, _label
 
 
 class VolumeReader(StorageReader):
@@ -101,13 +101,32 @@ class VolumeReader(StorageReader):
 
         file_names = sorted({location.file for location, _ in stored.values()})
         local_dir = self._fetch(file_names) if self.remote else self.path
-        file_index = {name: i for i, name in enumerate(file_names)}
+        try:
+            paths = [os.path.join(local_dir, name) for name in file_names]
+            file_index = {name: i for i, name in enumerate(file_names)}
+            to_device = False
+            for batch in _batches(list(stored.items()), BATCH_BYTES):
+                to_device |= self._read_batch(batch, paths, file_index, planner)
+        finally:
+            if self.remote:
+                shutil.rmtree(local_dir, ignore_errors=True)
+        if to_device:
+            torch.cuda.synchronize()  # the last batches' copies to the GPUs
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
 
+    def _read_batch(self, batch: list, paths: list[str], file_index: dict[str, int], planner: LoadPlanner) -> bool:
+        """Reads one batch of stored items with the engine, then hands each to its requests:
+        pickled objects to the planner, tensors copied into place (to GPUs asynchronously from
+        pinned memory, so that the copy overlaps the next batch's read). Items that can be are
+        read straight into their destination. Returns whether anything went to a GPU."""
         reads = []
-        # (location, or for pickled objects their bytearray; buffer; requests) copied after the read
+        # (location, or for pickled objects their bytearray; buffer; requests) handled after the read
         after: list[tuple[Any, torch.Tensor, list]] = []
         direct: list[tuple[Any, torch.Tensor]] = []  # (request, target) read in place
-        for index, (location, requests) in stored.items():
+        to_device = False
+        for index, (location, requests) in batch:
             if location.dtype is None:
                 raw = bytearray(location.length)
                 buffer = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
@@ -118,8 +137,8 @@ class VolumeReader(StorageReader):
                     buffer = target
                     direct.append((requests[0], target))
                 else:
-                    # Pinned when the data goes on to a GPU, so that the copy there is a fast DMA.
                     pin = target.device.type == "cuda"
+                    to_device |= pin
                     buffer = torch.empty(location.shape, dtype=getattr(torch, location.dtype), pin_memory=pin)
                     after.append((location, buffer, requests))
             reads.append(
@@ -132,13 +151,7 @@ class VolumeReader(StorageReader):
                     _label(index),
                 )
             )
-        try:
-            _core.read_checkpoint_items(
-                [os.path.join(local_dir, name) for name in file_names], reads, self.thread_count, self.chunk_bytes
-            )
-        finally:
-            if self.remote:
-                shutil.rmtree(local_dir, ignore_errors=True)
+        _core.read_checkpoint_items(paths, reads, self.thread_count, self.chunk_bytes)
 
         for request, target in direct:
             planner.commit_tensor(request, target)
@@ -154,11 +167,11 @@ class VolumeReader(StorageReader):
                         f"Checkpoint item '{request.storage_index.fqn}' has shape {tuple(source.size())} "
                         f"where the state dict expects {tuple(target.size())}"
                     )
-                target.copy_(source)
+                # From pinned memory the copy is queued on the stream and the buffer's memory is
+                # not reused before it is done (torch's caching host allocator tracks that).
+                target.copy_(source, non_blocking=source.is_pinned())
                 planner.commit_tensor(request, target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        return to_device
 
     @staticmethod
     def _can_read_into(target: torch.Tensor, location: layout.ItemLocation, requests: list) -> bool:
@@ -192,3 +205,16 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
         tensor = tensor.narrow(dim, offset, length)
     return tensor
+
+
+def _batches(items: list, batch_bytes: int) -> list[list]:
+    """(index, (location, requests)) pairs cut into runs of about batch_bytes."""
+    batches: list[list] = []
+    size = batch_bytes
+    for entry in items:
+        if size >= batch_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(entry)
+        size += entry[1][0].length
+    return batches
