@@ -78,8 +78,7 @@ void BindCheckpoint(nb::module_& m) {
         }
         ThrowIfError(st);
       })
-      .def("abort", &CheckpointFileWriter::Abort)
-      .def_prop_ro("path", &CheckpointFileWriter::path);
+      .def("abort", &CheckpointFileWriter::Abort);
   m.def("read_checkpoint_items", &ReadItems, nb::arg("files"), nb::arg("items"), nb::arg("threads"),
         nb::arg("chunk_bytes"));
   m.def("publish_directory", [](const std::string& staging, const std::string& target) {

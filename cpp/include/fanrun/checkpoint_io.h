@@ -51,8 +51,6 @@ class CheckpointFileWriter {
   // Closes and removes the file (a no-op after Finish).
   void Abort();
 
-  const std::string& path() const { return path_; }
-
  private:
   CheckpointFileWriter(std::string path, FileDescriptor file, WriteOptions options)
       : path_(std::move(path)), file_(std::move(file)), options_(options) {}
