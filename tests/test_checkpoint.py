@@ -174,9 +174,10 @@ def test_items_written_and_read_in_many_batches_load_back(tmp_path, monkeypatch)
     from fanrun.data import VolumeReader, VolumeWriter, _checkpoint_reader, _checkpoint_writer
 
     # Items are written and read in batches (GPU tensors pass through pinned memory a batch at a
-    # time); tiny batches here make nearly every item its own.
-    monkeypatch.setattr(_checkpoint_writer, "BATCH_BYTES", 1000)
-    monkeypatch.setattr(_checkpoint_reader, "BATCH_BYTES", 1000)
+    # time, host ones in larger batches); tiny batches here make nearly every item its own.
+    for module in (_checkpoint_writer, _checkpoint_reader):
+        monkeypatch.setattr(module, "BATCH_BYTES", 1000)
+        monkeypatch.setattr(module, "HOST_BATCH_FACTOR", 1)
     model = make_model(seed=3)
     state = {"model": model.state_dict(), "strided": torch.arange(60.0).reshape(6, 10).t(), "meta": {"a": 1}}
     save_here(state, VolumeWriter(tmp_path / "ckpt", thread_count=3, chunk_bytes=4096))

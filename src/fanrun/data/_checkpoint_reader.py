@@ -20,7 +20,7 @@ from torch.futures import Future
 from .. import _core
 from . import _checkpoint_layout as layout
 from . import _checkpoint_storage as storage
-from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, _label
+from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, HOST_BATCH_FACTOR, _label
 
 
 class VolumeReader(StorageReader):
@@ -105,7 +105,9 @@ class VolumeReader(StorageReader):
             paths = [os.path.join(local_dir, name) for name in file_names]
             file_index = {name: i for i, name in enumerate(file_names)}
             to_device = False
-            for batch in _batches(list(stored.items()), BATCH_BYTES):
+            # Small batches only where GPUs may be the destination (see _checkpoint_writer).
+            batch_bytes = BATCH_BYTES if torch.cuda.is_available() else BATCH_BYTES * HOST_BATCH_FACTOR
+            for batch in _batches(list(stored.items()), batch_bytes):
                 to_device |= self._read_batch(batch, paths, file_index, planner)
         finally:
             if self.remote:
