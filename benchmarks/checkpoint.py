@@ -49,7 +49,8 @@ def rank_main(directory: str, total_bytes: int, device: str, repeat: int, async_
         dist.init_process_group("cpu:gloo,cuda:nccl")
     else:
         dist.init_process_group("gloo")
-    state = make_state(rank, total_bytes // world, device)
+    expected = make_state(rank, total_bytes // world, "cpu")  # what every load must give back
+    state = {key: tensor.to(device, copy=True) for key, tensor in expected.items()}
     results: dict = {"rank": rank, "bytes": total_bytes, "methods": {}}
     out_path = Path(directory, f"results-rank{rank}.json")
 
@@ -72,7 +73,7 @@ def rank_main(directory: str, total_bytes: int, device: str, repeat: int, async_
             drop_page_cache(target)
             times["cold_s"] = timed(lambda: load(method, state, target, rank))
             times["warm_s"] = timed(lambda: load(method, state, target, rank))
-            verify(state, rank, world, total_bytes)
+            verify(state, expected, rank)
             best = {key: min(best[key], times[key]) for key in best}
             dist.barrier()
             if rank == 0:
@@ -80,13 +81,16 @@ def rank_main(directory: str, total_bytes: int, device: str, repeat: int, async_
             dist.barrier()
         results["methods"][method] = best
 
-    results["d2h_s"] = host_copy_seconds(state)
     results["async"] = {}
-    out_path.write_text(json.dumps(results))
     for method in ("fanrun", "dcp-8"):
-        for attempt in (1, 2):  # the first one includes allocating the pinned staging memory
-            outcome = async_save(method, state, os.path.join(directory, f"async-{method}-{attempt}"), async_timeout_s)
+        for attempt in (1, 2):  # the first fanrun one also allocates the pinned staging memory
+            target = os.path.join(directory, f"async-{method}-{attempt}")
+            outcome = async_save(method, state, expected, target, async_timeout_s)
             results["async"][f"{method}#{attempt}"] = outcome
+            if method == "fanrun" and attempt == 2:
+                # Measured after fanrun's async saves, so that their first one finds no pinned
+                # memory of this size left in torch's cache by this measurement.
+                results["d2h_s"] = host_copy_seconds(state)
             out_path.write_text(json.dumps(results))
             if not outcome["completed"]:
                 # Its save thread is stuck in a collective: leave without waiting for it.
@@ -154,8 +158,7 @@ def load(method: str, state: dict, target: str, rank: int) -> None:
             tensor.copy_(loaded[key])
 
 
-def verify(state: dict, rank: int, world: int, total_bytes: int) -> None:
-    expected = make_state(rank, total_bytes // world, "cpu")
+def verify(state: dict, expected: dict, rank: int) -> None:
     for key, tensor in state.items():
         if not tensor.cpu().equal(expected[key]):
             raise RuntimeError(f"rank {rank}: {key} did not load back as saved")
@@ -195,7 +198,7 @@ def host_copy_seconds(state: dict) -> float:
     return best
 
 
-def async_save(method: str, state: dict, target: str, timeout_s: float) -> dict:
+def async_save(method: str, state: dict, expected: dict, target: str, timeout_s: float) -> dict:
     """One dcp.async_save; right after it returns, every tensor is changed in place (queued on
     the same stream, as a training step would be). Once the save completes, it is loaded back
     and must hold the values of the moment of the call."""
@@ -224,9 +227,7 @@ def async_save(method: str, state: dict, target: str, timeout_s: float) -> dict:
     except concurrent.futures.TimeoutError:
         return {"blocked_s": blocked, "completed": False, "complete_s": None, "verified": False}
     load(method if method == "fanrun" else "dcp-8", state, target, int(os.environ["RANK"]))
-    world = int(os.environ["WORLD_SIZE"])
-    part = sum(t.numel() * t.element_size() for t in state.values())
-    verify(state, int(os.environ["RANK"]), world, part * world)
+    verify(state, expected, int(os.environ["RANK"]))
     return {"blocked_s": blocked, "completed": completed, "complete_s": total, "verified": True}
 
 
@@ -305,8 +306,9 @@ def report(cases: list[tuple[float, int, dict]], raw: tuple[float, float], repea
                 else:
                     cells += [f"{outcome['blocked_s']:.3f}",
                               f"{outcome['complete_s']:.2f}" if outcome["completed"] else "NOT DONE"]
-            ratio = f"{second['blocked_s'] / result['d2h_s']:.1f}x" if second else "-"
-            rows.append([f"{size_gb:g}", str(ranks), f"{result['d2h_s']:.3f}",
+            d2h = result.get("d2h_s")
+            ratio = f"{second['blocked_s'] / d2h:.1f}x" if second and d2h else "-"
+            rows.append([f"{size_gb:g}", str(ranks), f"{d2h:.3f}" if d2h else "-",
                          "VolumeWriter" if method == "fanrun" else "FileSystemWriter(8)", *cells, ratio])
     print_table("dcp.async_save: seconds the caller was blocked, and until the save completed (the tensors "
                 "are changed right after the call; every completed save is loaded back and checked)", header, rows)
@@ -319,7 +321,7 @@ def report(cases: list[tuple[float, int, dict]], raw: tuple[float, float], repea
               f"({save_fraction:.0%}); cold load at >= 90% of raw read: "
               f"{verdict(cold_fraction >= GOAL_FRACTION)} ({cold_fraction:.0%})")
         second = result["async"].get("fanrun#2")
-        if second:
+        if second and result.get("d2h_s"):
             ok = second["completed"] and second["blocked_s"] <= 2 * result["d2h_s"]
             print(f"  {label}: async_save blocks <= 2x the D2H copy and completes: {verdict(ok)} "
                   f"({second['blocked_s']:.3f} s blocked, D2H {result['d2h_s']:.3f} s)")
