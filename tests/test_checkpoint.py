@@ -189,6 +189,14 @@ def test_items_written_and_read_in_many_batches_load_back(tmp_path, monkeypatch)
     assert torch.equal(loaded["strided"], state["strided"]) and loaded["meta"] == {"a": 1}
 
 
+def test_an_empty_state_dict_is_a_checkpoint_too(tmp_path):
+    from fanrun.data import VolumeReader, VolumeWriter, latest_checkpoint
+
+    save_here({}, VolumeWriter(tmp_path / "empty"))
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "empty")
+    load_here({}, VolumeReader(tmp_path / "empty"))
+
+
 def test_latest_checkpoint_ignores_what_is_not_complete(tmp_path):
     from fanrun.data import VolumeWriter, latest_checkpoint
     from fanrun.data._checkpoint_layout import RECORD_NAME

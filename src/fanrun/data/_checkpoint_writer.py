@@ -280,16 +280,15 @@ class VolumeWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Called on the coordinator with every rank's results: writes the metadata and the
         record, then publishes the checkpoint in one step and prunes older ones."""
+        save_id = self._planned_save_id
         locations = {}
-        files: dict[str, int] = {}
+        # Every rank wrote its file, even one with no items; the record names them all.
+        files = {layout.data_file_name(rank, save_id): 0 for rank in range(len(results))}
         for rank_results in results:
             for result in rank_results:
                 location: layout.ItemLocation = result.storage_data
                 locations[result.index] = location
-                files[location.file] = max(files.get(location.file, 0), location.offset + location.length)
-        if not locations:
-            raise ValueError("Nothing to publish: no rank wrote an item")
-        save_id = self._planned_save_id
+                files[location.file] = max(files[location.file], location.offset + location.length)
         metadata.storage_data = locations
         metadata.storage_meta = self.storage_meta()
         record = layout.make_record(save_id, len(results), files)
