@@ -189,6 +189,39 @@ def test_items_written_and_read_in_many_batches_load_back(tmp_path, monkeypatch)
     assert torch.equal(loaded["strided"], state["strided"]) and loaded["meta"] == {"a": 1}
 
 
+def test_overwriting_never_leaves_the_path_without_a_complete_checkpoint(tmp_path):
+    import threading
+
+    from fanrun.data import VolumeWriter
+    from fanrun.data._checkpoint_storage import read_record
+
+    path = tmp_path / "step"
+    state = {"model": make_model(seed=8).state_dict()}
+    save_here(state, VolumeWriter(path))
+    done = threading.Event()
+    errors = []
+
+    def overwrite_repeatedly():
+        try:
+            for _ in range(15):
+                save_here(state, VolumeWriter(path))
+        except BaseException as error:  # noqa: BLE001 - reported by the test below
+            errors.append(error)
+        finally:
+            done.set()
+
+    writer = threading.Thread(target=overwrite_repeatedly)
+    writer.start()
+    seen = set()
+    # Checked as fast as this thread can, while the other one replaces the checkpoint 15 times.
+    while not done.is_set():
+        seen.add(read_record(str(path))["save_id"])
+    writer.join()
+    assert not errors, errors
+    assert len(seen) > 1  # the checks did overlap the replacements
+    assert [n for n in os.listdir(tmp_path)] == ["step"]
+
+
 def test_an_empty_state_dict_is_a_checkpoint_too(tmp_path):
     from fanrun.data import VolumeReader, VolumeWriter, latest_checkpoint
 

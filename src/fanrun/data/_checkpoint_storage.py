@@ -34,13 +34,21 @@ class LocalStorage:
         except FileNotFoundError:
             return []
 
-    def file_sizes(self, directory: str) -> dict[str, int]:
-        sizes = {}
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            for entry in os.scandir(directory):
+    def record_and_sizes(self, directory: str) -> tuple[bytes, dict[str, int]]:
+        """The record's bytes and the directory's file sizes, both from the same directory even
+        if a new checkpoint is swapped in at its name meanwhile (everything is read through one
+        descriptor of the directory)."""
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with open(layout.RECORD_NAME, "rb", opener=lambda name, flags: os.open(name, flags, dir_fd=fd)) as f:
+                text = f.read()
+            sizes = {}
+            for entry in os.scandir(fd):
                 if entry.is_file(follow_symlinks=False):
                     sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
-        return sizes
+            return text, sizes
+        finally:
+            os.close(fd)
 
     def remove_checkpoint(self, path: str) -> None:
         # Renamed out of sight first, so that a crash half-way leaves a hidden leftover (removed
@@ -83,6 +91,13 @@ class RemoteStorage:
             if e.get("type") == "file"
         }
 
+    def record_and_sizes(self, directory: str) -> tuple[bytes, dict[str, int]]:
+        # Data and metadata names carry the save id, and a replaced checkpoint's files are
+        # removed only after the new record is written: a record read here names files that
+        # were there when it was written.
+        text = self.read_bytes(self.join(directory, layout.RECORD_NAME))
+        return text, self.file_sizes(directory)
+
     def remove_checkpoint(self, path: str) -> None:
         # The record goes first: without it the rest is no longer a complete checkpoint.
         with contextlib.suppress(FileNotFoundError):
@@ -100,7 +115,7 @@ def read_record(path: str) -> dict:
     storage = storage_for(path)
     record_path = storage.join(path, layout.RECORD_NAME)
     try:
-        text = storage.read_bytes(record_path)
+        text, sizes = storage.record_and_sizes(path)
     except (FileNotFoundError, NotADirectoryError):
         raise NotACheckpointError(
             f"'{path}' is not a fanrun checkpoint: it has no {layout.RECORD_NAME}. Pass a directory "
@@ -110,7 +125,6 @@ def read_record(path: str) -> dict:
         record = layout.parse_record(text, f"'{record_path}'")
     except ValueError as error:
         raise NotACheckpointError(f"'{path}' is not a readable fanrun checkpoint: {error}") from None
-    sizes = storage.file_sizes(path)
     wanted = {**record["files"], record["metadata"]: None}
     for name, size in wanted.items():
         if name not in sizes:
