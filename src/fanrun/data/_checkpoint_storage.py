@@ -14,6 +14,15 @@ from .._errors import NotACheckpointError
 from . import _checkpoint_layout as layout
 
 
+class Replaced(Exception):
+    """A checkpoint was replaced while it was being read; reading the path again gives the new one."""
+
+
+# Each retry follows a replacement seen to happen: a path overwritten in a tight loop could
+# otherwise keep a reader going round.
+_REPLACED_RETRIES = 5
+
+
 def is_url(path: str) -> bool:
     return "://" in path
 
@@ -35,20 +44,30 @@ class LocalStorage:
             return []
 
     def record_and_sizes(self, directory: str) -> tuple[bytes, dict[str, int]]:
-        """The record's bytes and the directory's file sizes, both from the same directory even
-        if a new checkpoint is swapped in at its name meanwhile (everything is read through one
-        descriptor of the directory)."""
+        """The record's bytes and the directory's file sizes, both read through one descriptor
+        of the directory. Raises Replaced when a new checkpoint was swapped in at its name
+        meanwhile: the old one, which this may have read, is being removed."""
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            with open(layout.RECORD_NAME, "rb", opener=lambda name, flags: os.open(name, flags, dir_fd=fd)) as f:
-                text = f.read()
-            sizes = {}
-            for entry in os.scandir(fd):
-                if entry.is_file(follow_symlinks=False):
-                    sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
-            return text, sizes
+            try:
+                with open(layout.RECORD_NAME, "rb", opener=lambda name, flags: os.open(name, flags, dir_fd=fd)) as f:
+                    text: bytes | None = f.read()
+                sizes = {}
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if entry.is_file(follow_symlinks=False):
+                            sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                text = None
+            opened = os.fstat(fd)
         finally:
             os.close(fd)
+        now = os.stat(directory)
+        if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+            raise Replaced(directory)
+        if text is None:
+            raise FileNotFoundError(os.path.join(directory, layout.RECORD_NAME))
+        return text, sizes
 
     def remove_checkpoint(self, path: str) -> None:
         # Renamed out of sight first, so that a crash half-way leaves a hidden leftover (removed
@@ -113,6 +132,15 @@ def storage_for(path: str) -> LocalStorage | RemoteStorage:
 def read_record(path: str) -> dict:
     """The record of the complete checkpoint at path, or NotACheckpointError saying why not."""
     storage = storage_for(path)
+    for _ in range(_REPLACED_RETRIES):
+        try:
+            return _read_record_once(storage, path)
+        except Replaced:
+            continue
+    raise NotACheckpointError(f"'{path}' was replaced {_REPLACED_RETRIES} times while it was being read")
+
+
+def _read_record_once(storage: LocalStorage | RemoteStorage, path: str) -> dict:
     record_path = storage.join(path, layout.RECORD_NAME)
     try:
         text, sizes = storage.record_and_sizes(path)
