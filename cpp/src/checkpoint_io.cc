@@ -164,7 +164,8 @@ Result<std::vector<uint32_t>> CheckpointFileWriter::Write(const std::vector<Writ
     Status st = PwriteAll(fd, data, chunk.size, offset, path_, item.label);
     if (!st.ok()) return st;
     // Starts writeback of this chunk now, so that the disk works while later chunks are
-    // still being copied and the final fsync has little left to wait for.
+    // still being copied and the final fsync has little left to wait for. A hint only: if it
+    // fails, Finish's fsync still writes everything.
     ::sync_file_range(fd, static_cast<off_t>(offset), static_cast<off_t>(chunk.size), SYNC_FILE_RANGE_WRITE);
     return Status::OK();
   }));
