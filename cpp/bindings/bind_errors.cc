@@ -11,6 +11,7 @@ const char* ExceptionName(StatusCode code) {
     case StatusCode::kInvalid: return "EngineInvalidArgument";
     case StatusCode::kNotFound: return "ExecutableNotFoundError";
     case StatusCode::kIOError: return "EngineOSError";
+    case StatusCode::kDataLoss: return "CheckpointCorruptError";
     default: return "EngineError";
   }
 }

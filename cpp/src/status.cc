@@ -19,6 +19,7 @@ std::string Status::ToString() const {
     case StatusCode::kNotFound: return "Not found: " + message_;
     case StatusCode::kIOError: return "IO error: " + message_;
     case StatusCode::kInternal: return "Internal: " + message_;
+    case StatusCode::kDataLoss: return "Data loss: " + message_;
   }
   return message_;
 }

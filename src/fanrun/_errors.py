@@ -79,3 +79,17 @@ class ExecutableNotFoundError(FileNotFoundError, FanrunError):
 
 class EngineOSError(OSError, FanrunError):
     """A system call failed in the engine."""
+
+
+# Checkpoints (fanrun.data.VolumeWriter / VolumeReader).
+class CheckpointCorruptError(OSError, FanrunError):
+    """Checkpoint data does not match what was written: a checksum differs, a file is short
+    or missing. The message names the file and the item."""
+
+
+class NotACheckpointError(FileNotFoundError, FanrunError):
+    """The path holds no complete fanrun checkpoint."""
+
+
+class CheckpointExistsError(FileExistsError, FanrunError):
+    """The target exists and may not be replaced: overwrite=False, or it is not a checkpoint."""

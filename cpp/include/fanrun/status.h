@@ -18,6 +18,7 @@ enum class StatusCode {
   kNotFound,      // a file or executable does not exist
   kIOError,       // a system call failed
   kInternal,      // an invariant of the engine did not hold
+  kDataLoss,      // stored data is damaged: a checksum does not match, a file is short
 };
 
 namespace internal {
@@ -61,6 +62,10 @@ class [[nodiscard]] Status {
   template <typename... Args>
   static Status Internal(Args&&... args) {
     return Status(StatusCode::kInternal, internal::StrCat(args...));
+  }
+  template <typename... Args>
+  static Status DataLoss(Args&&... args) {
+    return Status(StatusCode::kDataLoss, internal::StrCat(args...));
   }
   // Call with the errno captured right where the failure happened.
   template <typename... Args>

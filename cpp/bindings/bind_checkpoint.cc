@@ -1,0 +1,95 @@
+// Python access to the checkpoint I/O engine: batched parallel writes and checked parallel reads
+// of raw memory (tensor data pointers the caller keeps alive), and atomic publication.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <tuple>
+
+#include "fanrun/checkpoint_crc32c.h"
+#include "fanrun/checkpoint_io.h"
+#include "fanrun/checkpoint_publish.h"
+#include "status_to_python.h"
+
+namespace nb = nanobind;
+
+namespace fanrun::bindings {
+namespace {
+
+using WriteTuple = std::tuple<uintptr_t, size_t, uint64_t, std::string>;  // (address, size, offset, label)
+using ReadTuple = std::tuple<size_t, uint64_t, size_t, uintptr_t, uint32_t, std::string>;
+//                          (file, offset, size, destination address, crc32c, label)
+
+std::unique_ptr<CheckpointFileWriter> CreateWriter(const std::string& path, uint64_t size, int threads,
+                                                   size_t chunk_bytes) {
+  Result<std::unique_ptr<CheckpointFileWriter>> writer = Status::Internal("not created");
+  {
+    nb::gil_scoped_release release;
+    writer = CheckpointFileWriter::Create(path, size, WriteOptions{threads, chunk_bytes});
+  }
+  return ValueOrThrow(std::move(writer));
+}
+
+std::vector<uint32_t> WriteBatch(CheckpointFileWriter& writer, const std::vector<WriteTuple>& tuples) {
+  std::vector<WriteItem> items;
+  items.reserve(tuples.size());
+  for (const auto& [address, size, offset, label] : tuples) {
+    items.push_back(WriteItem{reinterpret_cast<const void*>(address), size, offset, label});
+  }
+  Result<std::vector<uint32_t>> crcs = Status::Internal("not written");
+  {
+    nb::gil_scoped_release release;
+    crcs = writer.Write(items);
+  }
+  return ValueOrThrow(std::move(crcs));
+}
+
+void ReadItems(const std::vector<std::string>& files, const std::vector<ReadTuple>& tuples, int threads,
+               size_t chunk_bytes) {
+  std::vector<ReadItem> items;
+  items.reserve(tuples.size());
+  for (const auto& [file, offset, size, address, crc, label] : tuples) {
+    items.push_back(ReadItem{file, offset, size, reinterpret_cast<void*>(address), crc, label});
+  }
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = ReadItemsFromFiles(files, items, ReadOptions{threads, chunk_bytes});
+  }
+  ThrowIfError(st);
+}
+
+}  // namespace
+
+void BindCheckpoint(nb::module_& m) {
+  m.attr("CHECKPOINT_CHUNK_BYTES") = kDefaultChunkBytes;
+  nb::class_<CheckpointFileWriter>(m, "CheckpointFileWriter")
+      .def_static("create", &CreateWriter, nb::arg("path"), nb::arg("size"), nb::arg("threads"),
+                  nb::arg("chunk_bytes"))
+      .def("write", &WriteBatch, nb::arg("items"))
+      .def("finish", [](CheckpointFileWriter& writer) {
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = writer.Finish();
+        }
+        ThrowIfError(st);
+      })
+      .def("abort", &CheckpointFileWriter::Abort);
+  m.def("read_checkpoint_items", &ReadItems, nb::arg("files"), nb::arg("items"), nb::arg("threads"),
+        nb::arg("chunk_bytes"));
+  m.def("publish_directory", [](const std::string& staging, const std::string& target) {
+    Result<std::string> previous = Status::Internal("not published");
+    {
+      nb::gil_scoped_release release;
+      previous = PublishDirectory(staging, target);
+    }
+    return ValueOrThrow(std::move(previous));
+  }, nb::arg("staging"), nb::arg("target"));
+  m.def("crc32c_has_hardware", &Crc32cHasHardware);
+}
+
+}  // namespace fanrun::bindings

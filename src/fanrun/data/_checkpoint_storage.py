@@ -1,0 +1,262 @@
+"""Local directories and fsspec URLs behind one small interface, and the checks built on it:
+is a path a complete checkpoint, which checkpoint under a root is the newest, pruning, and
+removal of what crashed saves left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import uuid
+
+from .._errors import NotACheckpointError
+from . import _checkpoint_layout as layout
+
+
+class Replaced(Exception):
+    """A checkpoint was replaced while it was being read; reading the path again gives the new one."""
+
+
+# Each retry follows a replacement seen to happen: a path overwritten in a tight loop could
+# otherwise keep a reader going round.
+_REPLACED_RETRIES = 5
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+class LocalStorage:
+    """A local or mounted filesystem."""
+
+    def join(self, directory: str, name: str) -> str:
+        return os.path.join(directory, name)
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def list_names(self, directory: str) -> list[str]:
+        try:
+            return os.listdir(directory)
+        except FileNotFoundError:
+            return []
+
+    def record_and_sizes(self, directory: str) -> tuple[bytes, dict[str, int]]:
+        """The record's bytes and the directory's file sizes, both read through one descriptor
+        of the directory. Raises Replaced when a new checkpoint was swapped in at its name
+        meanwhile: the old one, which this may have read, is being removed."""
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                with open(layout.RECORD_NAME, "rb", opener=lambda name, flags: os.open(name, flags, dir_fd=fd)) as f:
+                    text: bytes | None = f.read()
+                sizes = {}
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if entry.is_file(follow_symlinks=False):
+                            sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                text = None
+            opened = os.fstat(fd)
+        finally:
+            os.close(fd)
+        now = os.stat(directory)
+        if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+            raise Replaced(directory)
+        if text is None:
+            raise FileNotFoundError(os.path.join(directory, layout.RECORD_NAME))
+        return text, sizes
+
+    def remove_checkpoint(self, path: str) -> None:
+        # Renamed out of sight first, so that a crash half-way leaves a hidden leftover (removed
+        # by the next save) rather than a visible, half-deleted checkpoint.
+        aside = layout.removing_dir(path, uuid.uuid4().hex)
+        os.rename(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+class RemoteStorage:
+    """An fsspec filesystem; paths are URLs."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.fs, _ = fsspec.core.url_to_fs(url)
+
+    def join(self, directory: str, name: str) -> str:
+        return directory.rstrip("/") + "/" + name
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open(path, "rb") as f:
+            return f.read()
+
+    def list_names(self, directory: str) -> list[str]:
+        try:
+            entries = self.fs.ls(directory, detail=False)
+        except FileNotFoundError:
+            return []
+        return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+
+    def file_sizes(self, directory: str) -> dict[str, int]:
+        try:
+            entries = self.fs.ls(directory, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file"
+        }
+
+    def record_and_sizes(self, directory: str) -> tuple[bytes, dict[str, int]]:
+        # Data and metadata names carry the save id, and a replaced checkpoint's files are
+        # removed only after the new record is written: a record read here names files that
+        # were there when it was written.
+        text = self.read_bytes(self.join(directory, layout.RECORD_NAME))
+        return text, self.file_sizes(directory)
+
+    def remove_checkpoint(self, path: str) -> None:
+        # The record goes first: without it the rest is no longer a complete checkpoint.
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.join(path, layout.RECORD_NAME))
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+
+
+def storage_for(path: str) -> LocalStorage | RemoteStorage:
+    return RemoteStorage(path) if is_url(path) else LocalStorage()
+
+
+def read_record(path: str) -> dict:
+    """The record of the complete checkpoint at path, or NotACheckpointError saying why not."""
+    storage = storage_for(path)
+    for _ in range(_REPLACED_RETRIES):
+        try:
+            return _read_record_once(storage, path)
+        except Replaced:
+            continue
+    raise NotACheckpointError(f"'{path}' was replaced {_REPLACED_RETRIES} times while it was being read")
+
+
+def _read_record_once(storage: LocalStorage | RemoteStorage, path: str) -> dict:
+    record_path = storage.join(path, layout.RECORD_NAME)
+    try:
+        text, sizes = storage.record_and_sizes(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotACheckpointError(
+            f"'{path}' is not a fanrun checkpoint: it has no {layout.RECORD_NAME}. Pass a directory "
+            "written by VolumeWriter; latest_checkpoint(root) finds the newest complete one"
+        ) from None
+    try:
+        record = layout.parse_record(text, f"'{record_path}'")
+    except ValueError as error:
+        raise NotACheckpointError(f"'{path}' is not a readable fanrun checkpoint: {error}") from None
+    wanted = {**record["files"], record["metadata"]: None}
+    for name, size in wanted.items():
+        if name not in sizes:
+            raise NotACheckpointError(f"'{path}' is incomplete: its file '{name}' is missing")
+        if size is not None and sizes[name] < size:
+            raise NotACheckpointError(
+                f"'{path}' is incomplete: its file '{name}' has {sizes[name]} bytes, {size} were written"
+            )
+    return record
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str, str]]:
+    """(published_ns, name, path) of every complete checkpoint directly under root, oldest first."""
+    storage = storage_for(root)
+    found = []
+    for name in storage.list_names(root):
+        if name.startswith("."):
+            continue
+        path = storage.join(root, name)
+        try:
+            record = read_record(path)
+        except (NotACheckpointError, OSError):
+            continue
+        found.append((record["published_ns"], name, path))
+    found.sort()
+    return found
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directly under root (by time of publication), or None.
+
+    Saves in progress, crashed saves and directories that are not fanrun checkpoints are
+    ignored, so the result is always safe to load."""
+    root = os.fspath(root)
+    found = complete_checkpoints(root)
+    return found[-1][2] if found else None
+
+
+def prune(root: str, keep_last: int, published: str) -> None:
+    """Removes all but the keep_last newest complete checkpoints under root; never `published`."""
+    storage = storage_for(root)
+    found = complete_checkpoints(root)
+    for _, _, path in found[: max(0, len(found) - keep_last)]:
+        if path != published:
+            storage.remove_checkpoint(path)
+
+
+@contextlib.contextmanager
+def _locked_if_free(lock_path: str):
+    """Yields True with the lock held when no live process holds it (or it does not exist)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def clean_leftovers(parent: str) -> list[str]:
+    """Removes what crashed saves left in parent: partial directories whose saving process is
+    gone (its lock is free), replaced or pruned checkpoints whose removal was interrupted.
+    Returns what it removed."""
+    removed = []
+    for name in LocalStorage().list_names(parent):
+        path = os.path.join(parent, name)
+        if layout.REMOVING_MARK in name and layout.is_leftover_name(name):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif layout.is_leftover_name(name) and not name.endswith(layout.LOCK_SUFFIX):
+            with _locked_if_free(path + layout.LOCK_SUFFIX) as free:
+                if free:
+                    shutil.rmtree(path, ignore_errors=True)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path + layout.LOCK_SUFFIX)
+                    removed.append(path)
+        elif layout.is_leftover_name(name) and not os.path.exists(path[: -len(layout.LOCK_SUFFIX)]):
+            with _locked_if_free(path) as free:
+                if free:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+    return removed
+
+
+class SaveLock:
+    """Held by the coordinator while a save is in progress: its partial directory is not a
+    leftover as long as this lock is held (the kernel drops it when the process dies)."""
+
+    def __init__(self, partial: str) -> None:
+        self.path = partial + layout.LOCK_SUFFIX
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
