@@ -3,6 +3,7 @@
 # parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
 # given as wheels in .whl/.
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
+#   [checkpoint-tests] [checkpoint]
 # On eight GPUs (issue: the 8-GPU node):
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
 set -u
@@ -50,6 +51,11 @@ for part in $parts; do
     # The launcher alone: MLflow tracking, on by default, is measured in benchmarks/tracking.py.
     launch) FANRUN_TRACKING=0 step launch 300 python3 benchmarks/launch.py --ranks ${RANKS:-1 2} --repeat ${REPEAT:-3} ${LAUNCH_ARGS:-} ;;
     tracking) step tracking 300 python3 benchmarks/tracking.py ;;
+    checkpoint-tests) pytest_step checkpoint_tests 300 tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_checkpoint_fsdp.py ;;
+    # The state dict on the GPUs, written to the machine's local disk.
+    checkpoint)
+      mkdir -p /tmp/fanrun-checkpoint-bench && df -h /tmp/fanrun-checkpoint-bench | tail -1
+      FANRUN_TRACKING=0 step checkpoint 560 python3 benchmarks/checkpoint.py --device cuda --ranks 2 --dir /tmp/fanrun-checkpoint-bench ${CKPT_ARGS:---sizes 1} ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done

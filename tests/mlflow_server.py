@@ -38,6 +38,8 @@ class MlflowServer:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            # No GenAI job runner: the tests use none, and it leaves its queues in /dev/shm.
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
             # Its own process group: the server's workers are stopped together with it.
             start_new_session=True,
         )

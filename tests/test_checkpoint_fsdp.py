@@ -70,8 +70,9 @@ def test_fsdp_save_on_four_ranks_loads_resharded_on_two(tmp_path):
 
     from fanrun import distributed
 
-    expected = distributed(num_accelerators=4)(save_on_four).distributed(str(tmp_path))
-    loaded = distributed(num_accelerators=2)(load_on_two).distributed(str(tmp_path))
+    # CPU processes on any machine: 4 ranks even where fewer GPUs are attached.
+    expected = distributed(num_accelerators=4, accelerator_type="CPU")(save_on_four).distributed(str(tmp_path))
+    loaded = distributed(num_accelerators=2, accelerator_type="CPU")(load_on_two).distributed(str(tmp_path))
     reference = expected[0]
     assert any(value.abs().sum() > 0 for value in reference.values())
     for rank_result in loaded:
