@@ -22,8 +22,10 @@ MODES = (
 )
 
 
-def train(steps: int, warmup: int, log: bool) -> dict:
-    """One rank: a small MLP trained with DDP over gloo; steps/s timed over the loop alone."""
+def train(steps: int, warmup: int, log: bool, gpu: bool) -> dict:
+    """One rank: an MLP trained with DDP, steps/s timed over the loop alone. On the CPU a small
+    one over gloo (steps of a few ms: the worst case); on a GPU the model of
+    benchmarks/throughput.py over NCCL (steps of tens of ms, as in real training)."""
     import os
     import time
 
@@ -33,22 +35,33 @@ def train(steps: int, warmup: int, log: bool) -> dict:
 
     if log:
         import mlflow
-    dist.init_process_group("gloo")
+    if gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if gpu else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
-    )
+    if gpu:
+        width = 1024
+        layers = [torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)) for _ in range(4)]
+        model = DistributedDataParallel(torch.nn.Sequential(*layers, torch.nn.Linear(width, 1)).cuda())
+        inputs, targets = torch.randn(64, 128, width, device="cuda"), torch.randn(64, 128, 1, device="cuda")
+    else:
+        model = DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        )
+        inputs, targets = torch.randn(64, 64), torch.randn(64, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    inputs, targets = torch.randn(64, 64), torch.randn(64, 1)
 
     def step(index: int) -> None:
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        # Every mode reads the loss, as a loop that reports it does: on a GPU .item() waits for
+        # the step, which is the loop's cost, not tracking's.
+        value = loss.item()
         if log:
-            mlflow.log_metric("loss", loss.item(), step=index)
+            mlflow.log_metric("loss", value, step=index)
 
     for index in range(warmup):
         step(index)
@@ -80,14 +93,15 @@ def environment(**values: str | None) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def measure(ranks: int, steps: int, warmup: int, tracking: bool, log: bool, async_logging: str | None) -> tuple[float, int | None]:
+def measure(ranks: int, steps: int, warmup: int, tracking: bool, log: bool, async_logging: str | None, gpu: bool) -> tuple[float, int | None]:
     """Steps/s of the slowest rank, and how many loss points reached the run (None untracked)."""
     from fanrun import distributed
 
     # The run's link and the ranks' output go to stderr: stdout holds the report alone.
     with environment(MLFLOW_ENABLE_ASYNC_LOGGING=async_logging), contextlib.redirect_stdout(sys.stderr):
-        # CPU processes with gloo on any machine, GPUs or not: the loop is the same everywhere.
-        results = distributed(num_accelerators=ranks, accelerator_type="CPU", tracking=tracking)(train).distributed(steps, warmup, log)
+        # Without --gpu, CPU processes with gloo on any machine, GPUs or not.
+        launch = distributed(num_accelerators=ranks, accelerator_type=None if gpu else "CPU", tracking=tracking)
+        results = launch(train).distributed(steps, warmup, log, gpu)
     points = None
     if tracking:
         import mlflow
@@ -112,10 +126,12 @@ def machine() -> str:
 
 
 def version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+    for distribution in (name, f"{name}-skinny"):  # MLflow also ships as mlflow-skinny
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def main() -> int:
@@ -124,6 +140,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=500, help="timed steps per call")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (DDP buckets, first batches)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gpu", action="store_true", help="train on the GPUs with NCCL (--ranks: at most the GPUs)")
     parser.add_argument("--tracking-uri", default=None,
                         help="where runs go (default: a sqlite store in a temporary folder, MLflow's local default)")
     options = parser.parse_args()
@@ -133,14 +150,15 @@ def main() -> int:
         with environment(MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME="fanrun-tracking-benchmark", FANRUN_TRACKING=None):
             os.chdir(scratch)  # MLflow's local artifact folders land here, not in the checkout
             print(f"machine: {machine()}", flush=True)
-            print(f"{options.ranks} ranks (gloo, CPU), {options.steps} timed steps after {options.warmup}, "
+            where = "NCCL, GPUs" if options.gpu else "gloo, CPU"
+            print(f"{options.ranks} ranks ({where}), {options.steps} timed steps after {options.warmup}, "
                   f"{options.repeats} repeats, tracking store {uri.split('://')[0]}", flush=True)
             rates: dict[str, list[float]] = {label: [] for label, *_ in MODES}
             points: dict[str, int | None] = {}
             # One call of each mode per round: drift in the machine's load spreads over all modes.
             for round_index in range(options.repeats + 1):
                 for label, tracking, log, async_logging in MODES:
-                    rate, logged = measure(options.ranks, options.steps, options.warmup, tracking, log, async_logging)
+                    rate, logged = measure(options.ranks, options.steps, options.warmup, tracking, log, async_logging, options.gpu)
                     if round_index == 0:
                         continue  # the first round warms caches and creates the store: not counted
                     rates[label].append(rate)
