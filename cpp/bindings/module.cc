@@ -8,6 +8,7 @@ namespace nb = nanobind;
 namespace fanrun::bindings {
 void BindSupervisor(nb::module_& m);
 void BindAccelerators(nb::module_& m);
+void BindCache(nb::module_& m);
 }  // namespace fanrun::bindings
 
 NB_MODULE(_core, m) {
@@ -15,4 +16,5 @@ NB_MODULE(_core, m) {
   fanrun::bindings::BindErrors(m);
   fanrun::bindings::BindSupervisor(m);
   fanrun::bindings::BindAccelerators(m);
+  fanrun::bindings::BindCache(m);
 }

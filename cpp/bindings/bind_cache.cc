@@ -1,0 +1,109 @@
+// Python access to the node-wide file cache; a Python callable may fetch remote sources.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <memory>
+
+#include "fanrun/file_cache.h"
+#include "status_to_python.h"
+
+namespace nb = nanobind;
+
+namespace fanrun::bindings {
+namespace {
+
+// Owns the engine cache and the Python fetch callable. The cache's threads call the
+// callable with the GIL taken only around the call; they are joined with the GIL
+// released, or a thread waiting for the GIL would never finish.
+class PyFileCache {
+ public:
+  PyFileCache(const std::string& dir, uint64_t limit_bytes, int threads, int attempts, nb::object fetch)
+      : fetch_(std::move(fetch)) {
+    CacheOptions options;
+    options.dir = dir;
+    options.limit_bytes = limit_bytes;
+    options.threads = threads;
+    options.attempts = attempts;
+    Fetcher fetcher = CopyLocalFile;
+    if (!fetch_.is_none()) {
+      PyObject* callable = fetch_.ptr();  // kept alive by fetch_ for as long as the threads run
+      fetcher = [callable](const CacheItem& item, const std::string& partial) -> Status {
+        if (!nb::is_alive()) return Status::Invalid("The interpreter is shutting down");
+        nb::gil_scoped_acquire gil;
+        try {
+          nb::handle function(callable);
+          function(item.source, partial);
+          return Status::OK();
+        } catch (nb::python_error& error) {
+          // The exception's type and text, not its traceback: the message names the source.
+          std::string text = nb::cast<std::string>(nb::str(error.type().attr("__name__"))) + ": " +
+                             nb::cast<std::string>(nb::str(error.value()));
+          return Status(StatusCode::kIOError, text);
+        }
+      };
+    }
+    Result<std::unique_ptr<FileCache>> opened = FileCache::Open(options, std::move(fetcher));
+    ThrowIfError(opened.status());
+    cache_ = std::move(opened).ValueOrDie();
+  }
+
+  ~PyFileCache() { Close(); }
+
+  void Close() {
+    if (cache_ == nullptr) return;
+    nb::gil_scoped_release release;
+    cache_.reset();
+  }
+
+  FileCache& cache() {
+    if (cache_ == nullptr) ThrowIfError(Status::Invalid("The file cache is closed"));
+    return *cache_;
+  }
+
+ private:
+  nb::object fetch_;
+  std::unique_ptr<FileCache> cache_;
+};
+
+}  // namespace
+
+void BindCache(nb::module_& m) {
+  nb::class_<PyFileCache>(m, "FileCache")
+      .def(nb::init<const std::string&, uint64_t, int, int, nb::object>(), nb::arg("dir"), nb::arg("limit_bytes"),
+           nb::arg("threads"), nb::arg("attempts"), nb::arg("fetch").none())
+      .def(
+          "prefetch",
+          [](PyFileCache& self, const std::string& source, const std::string& name, int64_t size) {
+            ThrowIfError(self.cache().Prefetch(CacheItem{source, name, size}));
+          },
+          nb::arg("source"), nb::arg("name"), nb::arg("size"))
+      .def(
+          "acquire",
+          [](PyFileCache& self, const std::string& source, const std::string& name, int64_t size) {
+            FileCache& cache = self.cache();
+            Result<std::string> path = Status::Internal("not acquired");
+            {
+              nb::gil_scoped_release release;
+              path = cache.Acquire(CacheItem{source, name, size});
+            }
+            return ValueOrThrow(std::move(path));
+          },
+          nb::arg("source"), nb::arg("name"), nb::arg("size"))
+      .def("release", [](PyFileCache& self, const std::string& name) { self.cache().Release(name); }, nb::arg("name"))
+      .def("release_all", [](PyFileCache& self) { self.cache().ReleaseAll(); })
+      .def("stats",
+           [](PyFileCache& self) {
+             CacheStats stats = self.cache().Stats();
+             nb::dict out;
+             out["hits"] = stats.hits;
+             out["fetched"] = stats.fetched;
+             out["bytes_fetched"] = stats.bytes_fetched;
+             out["retries"] = stats.retries;
+             out["evicted"] = stats.evicted;
+             out["over_limit"] = stats.over_limit;
+             return out;
+           })
+      .def("close", &PyFileCache::Close);
+}
+
+}  // namespace fanrun::bindings
