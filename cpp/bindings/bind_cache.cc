@@ -68,7 +68,7 @@ class PyFileCache {
 }  // namespace
 
 void BindCache(nb::module_& m) {
-  nb::class_<PyFileCache>(m, "FileCache")
+  nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable())
       .def(nb::init<const std::string&, uint64_t, int, int, nb::object>(), nb::arg("dir"), nb::arg("limit_bytes"),
            nb::arg("threads"), nb::arg("attempts"), nb::arg("fetch").none())
       .def(

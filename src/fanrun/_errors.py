@@ -79,3 +79,16 @@ class ExecutableNotFoundError(FileNotFoundError, FanrunError):
 
 class EngineOSError(OSError, FanrunError):
     """A system call failed in the engine."""
+
+
+# Raised by fanrun.data.
+class DataSourceError(FileNotFoundError, FanrunError):
+    """A dataset's source does not exist or holds no file that matches its pattern."""
+
+
+class DataFileError(OSError, FanrunError):
+    """A file of a dataset could not be read, nor fetched, after every retry."""
+
+
+class CacheLimitError(ValueError, FanrunError):
+    """A dataset's cache_limit is smaller than what its prefetching needs."""
