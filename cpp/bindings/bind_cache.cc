@@ -2,6 +2,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <unistd.h>
+
 #include <memory>
 
 #include "fanrun/file_cache.h"
@@ -18,7 +20,7 @@ namespace {
 class PyFileCache {
  public:
   PyFileCache(const std::string& dir, uint64_t limit_bytes, int threads, int attempts, nb::object fetch)
-      : fetch_(std::move(fetch)) {
+      : fetch_(std::move(fetch)), owner_pid_(::getpid()) {
     CacheOptions options;
     options.dir = dir;
     options.limit_bytes = limit_bytes;
@@ -51,17 +53,28 @@ class PyFileCache {
 
   void Close() {
     if (cache_ == nullptr) return;
+    if (::getpid() != owner_pid_) {
+      // A forked child (a DataLoader worker) holds a copy without the threads: joining
+      // them here would touch threads of another process. Its memory is let go unfreed.
+      (void)cache_.release();
+      return;
+    }
     nb::gil_scoped_release release;
     cache_.reset();
   }
 
   FileCache& cache() {
     if (cache_ == nullptr) ThrowIfError(Status::Invalid("The file cache is closed"));
+    if (::getpid() != owner_pid_) {
+      ThrowIfError(Status::Invalid("This file cache was opened by process ", owner_pid_,
+                                   "; a forked process must open its own"));
+    }
     return *cache_;
   }
 
  private:
   nb::object fetch_;
+  const pid_t owner_pid_;
   std::unique_ptr<FileCache> cache_;
 };
 

@@ -277,11 +277,8 @@ Result<FileDescriptor> FileCache::Materialize(const CacheItem& item) {
 
 Status FileCache::FetchOnce(const CacheItem& item, uint64_t* bytes) {
   const std::string partial = options_.dir + "/partial/" + item.name;
-  const uint64_t reserved = item.size >= 0 ? static_cast<uint64_t>(item.size) : 0;
-  FANRUN_RETURN_NOT_OK(Reserve(reserved));
   auto fail = [&](Status status) {
     ::unlink(partial.c_str());
-    Unreserve(reserved);
     return status;
   };
   Status fetched = fetcher_(item, partial);
@@ -295,29 +292,28 @@ Status FileCache::FetchOnce(const CacheItem& item, uint64_t* bytes) {
                                          " bytes where ", item.size, " were expected"));
   }
   *bytes = static_cast<uint64_t>(written.st_size);
-  if (item.size < 0) {
-    Status room = Reserve(*bytes);
-    if (!room.ok()) return fail(room);
-  }
-  // No fsync: a crash of the process cannot leave a half file under files/, and after a
-  // power loss PinIfComplete's size check sends a truncated file back to the source.
-  if (::rename(partial.c_str(), FilePath(item.name).c_str()) != 0) {
-    const int err = errno;
-    Unreserve(*bytes);
-    ::unlink(partial.c_str());
-    return Status::IOErrorFromErrno(err, "Failed to move '", partial, "' into the cache");
-  }
+  Status committed = Commit(partial, FilePath(item.name), *bytes);
+  if (!committed.ok()) return fail(committed);
   return Status::OK();
 }
 
-Status FileCache::Reserve(uint64_t bytes) {
-  if (options_.limit_bytes == 0) return Status::OK();
+Status FileCache::Commit(const std::string& partial, const std::string& final_path, uint64_t bytes) {
+  // No fsync: a crash of the process cannot leave a half file under files/, and after a
+  // power loss PinIfComplete's size check sends a truncated file back to the source.
+  auto move_in = [&]() -> Status {
+    if (::rename(partial.c_str(), final_path.c_str()) != 0) {
+      return Status::IOErrorFromErrno(errno, "Failed to move '", partial, "' into the cache");
+    }
+    return Status::OK();
+  };
+  if (options_.limit_bytes == 0) return move_in();
+  // Room is made and the file moved in under one lock, so that the usage file and a scan
+  // of files/ never disagree about a file that is half committed.
   std::lock_guard<std::mutex> guard(usage_mutex_);
   const std::string path = options_.dir + "/usage";
   FANRUN_RETURN_NOT_OK(Lock(usage_.fd(), LOCK_EX, path));
   uint64_t used = 0;
-  const ssize_t n = ::pread(usage_.fd(), &used, sizeof(used), 0);
-  bool known = n == static_cast<ssize_t>(sizeof(used));
+  const bool known = ::pread(usage_.fd(), &used, sizeof(used), 0) == static_cast<ssize_t>(sizeof(used));
   Status status;
   if (!known || used + bytes > options_.limit_bytes) {
     Result<uint64_t> scanned = EvictUntil(bytes);
@@ -327,28 +323,16 @@ Status FileCache::Reserve(uint64_t bytes) {
       status = scanned.status();
     }
   }
+  if (status.ok()) status = move_in();
   if (status.ok()) {
     used += bytes;
     if (::pwrite(usage_.fd(), &used, sizeof(used), 0) != static_cast<ssize_t>(sizeof(used))) {
-      status = Status::IOErrorFromErrno(errno, "Failed to write '", path, "'");
+      // The file is in; a stale hint only brings the next scan forward or back.
+      FANRUN_WARN_NOT_OK(Status::IOErrorFromErrno(errno, "Failed to write '", path, "'"), "cache usage");
     }
   }
   FANRUN_WARN_NOT_OK(Lock(usage_.fd(), LOCK_UN, path), "unlocking the cache's usage file");
   return status;
-}
-
-void FileCache::Unreserve(uint64_t bytes) {
-  if (options_.limit_bytes == 0 || bytes == 0) return;
-  std::lock_guard<std::mutex> guard(usage_mutex_);
-  const std::string path = options_.dir + "/usage";
-  if (!Lock(usage_.fd(), LOCK_EX, path).ok()) return;
-  uint64_t used = 0;
-  if (::pread(usage_.fd(), &used, sizeof(used), 0) == static_cast<ssize_t>(sizeof(used))) {
-    used = used > bytes ? used - bytes : 0;
-    // A failed write leaves the hint high, which only brings the next scan forward.
-    (void)::pwrite(usage_.fd(), &used, sizeof(used), 0);
-  }
-  FANRUN_WARN_NOT_OK(Lock(usage_.fd(), LOCK_UN, path), "unlocking the cache's usage file");
 }
 
 Result<uint64_t> FileCache::EvictUntil(uint64_t need) {

@@ -8,6 +8,7 @@
 //   partial/<name>   a fetch in progress, renamed into files/ once its size is verified
 //   locks/<name>     held exclusively while <name> is fetched (one fetcher per node)
 //   usage            bytes in files/, guarded by its own flock; a hint, rebuilt by a scan
+// The limit bounds files/; fetches in flight (one per thread) sit in partial/ beside it.
 // A file in use holds a shared flock on its files/ entry; eviction takes an exclusive
 // one without waiting, so it only ever removes files no process is using.
 #pragma once
@@ -96,9 +97,10 @@ class FileCache {
   Result<FileDescriptor> Materialize(const CacheItem& item);
   Result<FileDescriptor> PinIfComplete(const CacheItem& item, bool* found);
   Status FetchOnce(const CacheItem& item, uint64_t* bytes);
-  // Makes room for `bytes` more, evicting least recently used files not in use.
-  Status Reserve(uint64_t bytes);
-  void Unreserve(uint64_t bytes);
+  // Moves a verified fetch into files/, first evicting least recently used files not in
+  // use until `bytes` more fit under the limit.
+  Status Commit(const std::string& partial, const std::string& final_path, uint64_t bytes);
+  // Scans files/ and evicts; returns the bytes left there.
   Result<uint64_t> EvictUntil(uint64_t need);
 
   const CacheOptions options_;

@@ -103,7 +103,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self._next_offset = 0  # where the next pass of this epoch starts
         self._resume_pending = False
         self._chunk = 1  # the DataLoader's batch size, set by fanrun.data.DataLoader
-        self._loader_counts = False  # fanrun.data.DataLoader counts consumption in the main process
+        self._loader_counts = False  # a fanrun.data.DataLoader pass counts consumption in the main process
         self._pass: tuple[int, int, int] | None = None  # (start offset, world size, per-rank count)
         self._consumed = 0
         self._cache: _core.FileCache | None = None
@@ -198,7 +198,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------ fanrun.data.DataLoader's hooks
 
-    def _begin_pass(self) -> None:
+    def _begin_pass(self, by_loader: bool = False) -> None:
+        self._loader_counts = by_loader
         _, world_size = _rank_and_world()
         start = self._next_offset
         self._pass = (start, world_size, _split.per_rank_count(len(self._files) - start, world_size, self.drop_last))
@@ -211,6 +212,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     def _count_consumed(self, samples: int) -> None:
         self._consumed += samples
+
+    def _end_pass(self) -> None:
+        self._loader_counts = False
 
     # ------------------------------------------------------------ reading
 

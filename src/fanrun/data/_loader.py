@@ -39,7 +39,6 @@ class DataLoader(torch.utils.data.DataLoader):
                     "workers kept between epochs never see set_epoch() or load_state_dict(). Leave it False."
                 )
             self._volume._chunk = self.batch_size or 1
-            self._volume._loader_counts = True
         self.wait_seconds = 0.0
         self.step_seconds = 0.0
         self.stalled_fraction = 0.0
@@ -48,7 +47,7 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:
         volume = self._volume
         if volume is not None:
-            volume._begin_pass()
+            volume._begin_pass(by_loader=True)
         iterator = super().__iter__()  # workers start here, with the pass's start offset
         if volume is not None:
             volume._pass_started()
@@ -67,6 +66,8 @@ class DataLoader(torch.utils.data.DataLoader):
                     volume._count_consumed(batch_size)
                 yield batch
         finally:
+            if volume is not None:
+                volume._end_pass()
             total = time.perf_counter() - started
             self.wait_seconds = wait
             self.step_seconds = total
