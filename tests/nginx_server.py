@@ -5,6 +5,7 @@ on a free port; waited for with a deadline, stopped with its workers."""
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ START_DEADLINE_S = 30.0
 STOP_GRACE_S = 10.0
 
 CONFIG = """\
-daemon off;
+{user}daemon off;
 master_process on;
 worker_processes 2;
 pid {dir}/nginx.pid;
@@ -56,7 +57,10 @@ class NginxServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = directory / "nginx.conf"
-        config.write_text(CONFIG.format(dir=directory, port=self.port, root=root))
+        # Started as root, nginx would drop its workers to an account that cannot read the
+        # test's private folders: keep them as the test's own user.
+        user = f"user {pwd.getpwuid(os.geteuid()).pw_name};\n" if os.geteuid() == 0 else ""
+        config.write_text(CONFIG.format(user=user, dir=directory, port=self.port, root=root))
         self._log = open(directory / "stderr.log", "wb")
         self._process = subprocess.Popen(
             [binary, "-p", str(directory), "-c", str(config), "-e", str(directory / "error.log")],

@@ -263,8 +263,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                     name = cache_name(file.source)
                     try:
                         path = cache.acquire(file.source, name, file.size)
-                    except FanrunError as error:
-                        sample = self._unreadable(file, error)
+                    except FanrunError as error:  # the engine's message names the source and the attempts
+                        sample = self._unreadable(file, error, counted=True)
                     else:
                         held.append(name)
                         sample = self._read(file, path)
@@ -291,12 +291,12 @@ class VolumeDataset(torch.utils.data.IterableDataset):
             time.sleep(0.05 * 2**attempt)  # back off: a mount or a server may recover
             attempt += 1
 
-    def _unreadable(self, file: SourceFile, error: BaseException) -> Any:
-        attempts = self.retries + 1
+    def _unreadable(self, file: SourceFile, error: BaseException, counted: bool = False) -> Any:
+        why = str(error) if counted else f"Could not read '{file.source}' after {self.retries + 1} attempts: {error}"
         if not self.skip_unreadable:
-            raise DataFileError(f"Could not read '{file.source}' after {attempts} attempts: {error}") from error
+            raise DataFileError(why) from error
         self.skipped_files.append(file.source)
-        warnings.warn(f"fanrun.data skips '{file.source}', unreadable after {attempts} attempts: {error}", stacklevel=2)
+        warnings.warn(f"fanrun.data skips '{file.source}': {why}", stacklevel=2)
         return _SKIPPED
 
     def __getstate__(self) -> dict:
