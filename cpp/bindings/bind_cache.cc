@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "fanrun/file_cache.h"
+#include "fanrun/prefetch_local.h"
 #include "status_to_python.h"
 
 namespace nb = nanobind;
@@ -78,9 +79,51 @@ class PyFileCache {
   std::unique_ptr<FileCache> cache_;
 };
 
+// The local prefetcher, refusing use from a forked copy whose threads did not come along.
+class PyLocalPrefetcher {
+ public:
+  explicit PyLocalPrefetcher(int threads)
+      : owner_pid_(::getpid()), prefetcher_(std::make_unique<LocalPrefetcher>(threads)) {}
+  ~PyLocalPrefetcher() {
+    if (::getpid() != owner_pid_) {
+      (void)prefetcher_.release();  // see PyFileCache::Close
+      return;
+    }
+    nb::gil_scoped_release release;
+    prefetcher_.reset();
+  }
+
+  LocalPrefetcher& prefetcher() {
+    if (::getpid() != owner_pid_) {
+      ThrowIfError(Status::Invalid("This prefetcher was made by process ", owner_pid_, "; a forked process must make its own"));
+    }
+    return *prefetcher_;
+  }
+
+ private:
+  const pid_t owner_pid_;
+  std::unique_ptr<LocalPrefetcher> prefetcher_;
+};
+
 }  // namespace
 
 void BindCache(nb::module_& m) {
+  nb::class_<PyLocalPrefetcher>(m, "LocalPrefetcher")
+      .def(nb::init<int>(), nb::arg("threads"))
+      .def("hint", [](PyLocalPrefetcher& self, std::string path) { self.prefetcher().Hint(std::move(path)); },
+           nb::arg("path"))
+      .def("drain",
+           [](PyLocalPrefetcher& self) {
+             LocalPrefetcher& prefetcher = self.prefetcher();
+             nb::gil_scoped_release release;
+             prefetcher.Drain();
+           })
+      .def("stats", [](PyLocalPrefetcher& self) {
+        nb::dict out;
+        out["hinted"] = self.prefetcher().hinted();
+        out["failed"] = self.prefetcher().failed();
+        return out;
+      });
   nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable())
       .def(nb::init<const std::string&, uint64_t, int, int, nb::object>(), nb::arg("dir"), nb::arg("limit_bytes"),
            nb::arg("threads"), nb::arg("attempts"), nb::arg("fetch").none())

@@ -52,7 +52,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         workers and later runs) and how large it may grow (``"20GB"``; None: unbounded).
     cache_local: also copy local files into the cache (for slow mounts); by default local
         files are read in place.
-    prefetch: files each reader fetches ahead of the one it yields.
+    prefetch: files each reader fetches ahead of the one it yields (into the cache, or for
+        local files read in place, into the page cache through the kernel's readahead).
     retries: attempts per file after the first; skip_unreadable: leave out files that
         still fail, counted in `skipped_files`, instead of raising DataFileError.
     """
@@ -108,6 +109,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self._consumed = 0
         self._cache: _core.FileCache | None = None
         self._cache_pid = -1
+        self._prefetcher: _core.LocalPrefetcher | None = None
+        self._prefetcher_pid = -1
         self._check_limit(num_workers=0)  # before any work; the workers check again knowing their number
 
     # ------------------------------------------------------------ public
@@ -232,6 +235,12 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         readers = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * max(1, num_workers)
         check_cache_limit(self.cache_limit, readers, self._files_held(), max(sizes), self.prefetch)
 
+    def _open_prefetcher(self) -> _core.LocalPrefetcher:
+        if self._prefetcher is None or self._prefetcher_pid != os.getpid():
+            self._prefetcher = _core.LocalPrefetcher(self.cache_threads)
+            self._prefetcher_pid = os.getpid()
+        return self._prefetcher
+
     def _open_cache(self) -> _core.FileCache:
         # One per process: a DataLoader worker forked from a process with a cache must not
         # use the parent's, whose threads did not come along.
@@ -246,20 +255,25 @@ class VolumeDataset(torch.utils.data.IterableDataset):
     def _samples(self, entries: list[int]) -> Iterator[Any]:
         files = self._files
         cache = self._open_cache() if any(self._cached[i] for i in entries) else None
+        in_place = self.prefetch > 0 and not all(self._cached[i] for i in entries)
+        readahead = self._open_prefetcher() if in_place else None
         held: deque[str] = deque()
         keep = 1 if self.transform is not None else self._chunk
         prefetched = 0
         try:
             for position, index in enumerate(entries):
+                # The next `prefetch` files: fetched into the cache, or read ahead by the kernel.
+                while prefetched < min(len(entries), position + 1 + self.prefetch):
+                    ahead = files[entries[prefetched]]
+                    if self._cached[entries[prefetched]]:
+                        cache.prefetch(ahead.source, cache_name(ahead.source), ahead.size)
+                    elif readahead is not None:
+                        readahead.hint(ahead.source)
+                    prefetched += 1
                 file = files[index]
                 if not self._cached[index]:
                     sample = self._read(file, file.source)
                 else:
-                    while prefetched < min(len(entries), position + 1 + self.prefetch):
-                        ahead = files[entries[prefetched]]
-                        if self._cached[entries[prefetched]]:
-                            cache.prefetch(ahead.source, cache_name(ahead.source), ahead.size)
-                        prefetched += 1
                     name = cache_name(file.source)
                     try:
                         path = cache.acquire(file.source, name, file.size)
@@ -301,8 +315,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_cache"] = None  # native threads do not travel; each process opens its own
-        state["_cache_pid"] = -1
+        state["_cache"] = state["_prefetcher"] = None  # native threads do not travel; each process makes its own
+        state["_cache_pid"] = state["_prefetcher_pid"] = -1
         return state
 
 
