@@ -133,9 +133,14 @@ Result<std::string> FileCache::Acquire(const CacheItem& item) {
   if (inserted) it->second.item = item;
   it->second.released = false;
   if (it->second.state == State::kQueued) {
-    // Needed now: ahead of everything prefetched. The later copy in the queue is skipped.
-    queue_.push_front(item.name);
-    work_ready_.notify_one();
+    // Needed now: brought in on the caller's thread, with no hand-over to the pool (a warm
+    // hit costs an open and a lock). Its copy in the queue is skipped.
+    it->second.state = State::kFetching;
+    const CacheItem wanted = it->second.item;
+    lock.unlock();
+    Result<FileDescriptor> pin = Materialize(wanted);
+    lock.lock();
+    Finish(wanted.name, std::move(pin));
   }
   entry_done_.wait(lock, [&] {
     auto found = entries_.find(item.name);
@@ -195,21 +200,25 @@ void FileCache::Run() {
     lock.unlock();
     Result<FileDescriptor> pin = Materialize(item);
     lock.lock();
-    it = entries_.find(name);
-    if (it == entries_.end()) continue;
-    if (it->second.released) {
-      entries_.erase(it);  // closing the pin ends the use
-      continue;
-    }
-    if (pin.ok()) {
-      it->second.pin = std::move(pin).ValueOrDie();
-      it->second.state = State::kReady;
-    } else {
-      it->second.status = pin.status();
-      it->second.state = State::kFailed;
-    }
-    entry_done_.notify_all();
+    Finish(name, std::move(pin));
   }
+}
+
+void FileCache::Finish(const std::string& name, Result<FileDescriptor> pin) {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) return;
+  if (it->second.released) {
+    entries_.erase(it);  // closing the pin ends the use
+    return;
+  }
+  if (pin.ok()) {
+    it->second.pin = std::move(pin).ValueOrDie();
+    it->second.state = State::kReady;
+  } else {
+    it->second.status = pin.status();
+    it->second.state = State::kFailed;
+  }
+  entry_done_.notify_all();
 }
 
 Result<FileDescriptor> FileCache::PinIfComplete(const CacheItem& item, bool* found) {

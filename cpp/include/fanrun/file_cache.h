@@ -93,6 +93,8 @@ class FileCache {
 
   FileCache(CacheOptions options, Fetcher fetcher, FileDescriptor usage);
   void Run();
+  // Records the outcome of a fetch; called with mutex_ held.
+  void Finish(const std::string& name, Result<FileDescriptor> pin);
   // Brings the file into files/ and returns a descriptor holding its shared flock.
   Result<FileDescriptor> Materialize(const CacheItem& item);
   Result<FileDescriptor> PinIfComplete(const CacheItem& item, bool* found);

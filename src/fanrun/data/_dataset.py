@@ -53,7 +53,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
     cache_local: also copy local files into the cache (for slow mounts); by default local
         files are read in place.
     prefetch: files each reader fetches ahead of the one it yields (into the cache, or for
-        local files read in place, into the page cache through the kernel's readahead).
+        local files read in place of up to 1 MiB, into the page cache through the kernel's readahead).
     retries: attempts per file after the first; skip_unreadable: leave out files that
         still fail, counted in `skipped_files`, instead of raising DataFileError.
     """
@@ -267,7 +267,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                     ahead = files[entries[prefetched]]
                     if self._cached[entries[prefetched]]:
                         cache.prefetch(ahead.source, cache_name(ahead.source), ahead.size)
-                    elif readahead is not None:
+                    elif readahead is not None and 0 <= ahead.size <= _READAHEAD_MAX_FILE:
                         readahead.hint(ahead.source)
                     prefetched += 1
                 file = files[index]
@@ -321,6 +321,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
 
 _SKIPPED = object()
+# Larger files are left to the kernel's own sequential readahead: reading whole large files
+# ahead only competed with the one being read (benchmarks/data.py, cold disk, 10 MB files).
+_READAHEAD_MAX_FILE = 1 << 20
 
 
 # Databricks' name for the same thing, so that code written for it runs unchanged.
