@@ -180,10 +180,24 @@ def test_resume_mid_epoch_gives_exactly_the_rest_with_other_num_workers(tmp_path
     whole = VolumeDataset(corpus, pattern="*.bin", seed=7, cache_dir=tmp_path / "cache", transform=label)
     whole.set_epoch(3)
     assert consumed + rest == list(whole)
+    # Iterated again without set_epoch: the whole epoch 3 again, in the same order.
+    assert list(resumed) == consumed + rest
     # The epoch done, the next one is whole again and in another order.
     resumed.set_epoch(4)
     fourth = list(resumed)
     assert sorted(fourth) == sorted(consumed + rest) and fourth != consumed + rest
+
+
+def test_without_a_loader_a_loaded_state_resumes_one_pass(tmp_path, corpus):
+    ds = VolumeDataset(corpus, pattern="*.bin", seed=2, cache_dir=tmp_path / "cache", transform=label)
+    whole = list(ds)
+    iterator = iter(ds)
+    head = [next(iterator) for _ in range(10)]
+    state = ds.state_dict()
+    assert head == whole[:10] and state["offset"] == 10
+    ds.load_state_dict(state)
+    assert list(ds) == whole[10:]
+    assert list(ds) == whole  # the resumed pass over, the next is whole
 
 
 def test_a_state_for_other_files_is_refused(tmp_path, corpus):

@@ -186,6 +186,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         in_main = info is None
         if in_main and not self._loader_counts:
             self._begin_pass()
+            self._pass_started()
         start = self._pass[0] if in_main else self._next_offset
         rank, world_size = _rank_and_world()
         order = _split.permutation(len(self._files), self.seed, self._epoch, self.shuffle)
