@@ -1,16 +1,21 @@
 """VolumeDataset over HTTP from a real nginx on 127.0.0.1, through fsspec's HTTP filesystem:
-files fetched into the node's cache by the native threads, verified, found again warm, and
-a file that vanishes from the server named after its retries."""
+files fetched into the node's cache by the native threads, verified (size; MD5 where a store
+lists one), found again warm, and a file that vanishes from the server named after its retries."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from pathlib import Path
 
 import pytest
 from nginx_server import NginxServer
 
-from fanrun._errors import DataFileError
+from fanrun import _core
+from fanrun._errors import DataFileError, EngineOSError
 from fanrun.data import VolumeDataset
+from fanrun.data._cache import FsspecFetch
+from fanrun.data._dataset_source import listed_md5
 
 pytest.importorskip("aiohttp")
 
@@ -87,3 +92,30 @@ def test_a_file_gone_from_the_server_is_retried_then_named(served, tmp_path):
     finally:
         victim.write_bytes(data)
     assert len(samples) == 14 and skipping.skipped_files == [f"{server.url}/shard1/item029.bin"]
+
+
+def test_bytes_that_do_not_have_the_listed_md5_are_never_moved_into_the_cache(served, tmp_path):
+    # The engine and fsspec as a dataset uses them; the MD5 is given here, as S3's or GCS's
+    # listing would give it (nginx lists none).
+    server, root, _ = served
+    url = f"{server.url}/shard0/item000.bin"
+    right = hashlib.md5((root / "shard0" / "item000.bin").read_bytes()).hexdigest()
+    wrong = _core.FileCache(str(tmp_path / "cache"), 0, 2, 2, FsspecFetch({}, {url: "0" * 32}))
+    with pytest.raises(EngineOSError, match=f"MD5 {right} of the bytes fetched from '{url}' is not the 0{{32}}") as error:
+        wrong.acquire(url, "item000.bin", -1)
+    assert "2 attempts" in str(error.value)
+    assert not list((tmp_path / "cache" / "files").iterdir()) and not list((tmp_path / "cache" / "partial").iterdir())
+    wrong.close()
+    checked = _core.FileCache(str(tmp_path / "cache"), 0, 2, 2, FsspecFetch({}, {url: right}))
+    path = checked.acquire(url, "item000.bin", -1)
+    assert hashlib.md5(Path(path).read_bytes()).hexdigest() == right
+    checked.close()
+
+
+def test_only_whole_file_md5s_of_s3_and_gcs_listings_are_taken_as_checksums():
+    digest = hashlib.md5(b"data").digest()
+    # The shapes of gcsfs's and s3fs's info() entries.
+    assert listed_md5({"md5Hash": base64.b64encode(digest).decode()}, ("gs", "gcs")) == digest.hex()
+    assert listed_md5({"ETag": f'"{digest.hex()}"'}, ("s3", "s3a")) == digest.hex()
+    assert listed_md5({"ETag": '"9b2cf535f27731c974343645a3985328-2"'}, ("s3", "s3a")) is None  # multipart
+    assert listed_md5({"ETag": f'"{digest.hex()}"'}, ("http", "https")) is None  # not a checksum there

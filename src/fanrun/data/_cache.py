@@ -3,6 +3,7 @@ files are named in it, and how remote files are fetched into it."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -43,12 +44,8 @@ def cache_name(source: str) -> str:
     return f"{digest}-{base}" if base else digest
 
 
-def minimum_cache_limit(readers: int, files_held: int, largest_file: int) -> int:
-    return readers * files_held * largest_file
-
-
 def check_cache_limit(limit: int, readers: int, files_held: int, largest_file: int, prefetch: int) -> None:
-    needed = minimum_cache_limit(readers, files_held, largest_file)
+    needed = readers * files_held * largest_file
     if limit and limit < needed:
         raise CacheLimitError(
             f"cache_limit={limit} bytes is below the {needed} bytes this dataset needs on this node: "
@@ -60,13 +57,24 @@ def check_cache_limit(limit: int, readers: int, files_held: int, largest_file: i
 
 class FsspecFetch:
     """Writes one remote file to a local path; called by the cache's native threads, which
-    take the GIL only around this call. Filesystems are built once per protocol."""
+    take the GIL only around this call. Where the listing gave an MD5, the bytes written must
+    have it, or the fetch fails (and is tried again) before the engine moves the file in."""
 
-    def __init__(self, storage_options: dict) -> None:
+    def __init__(self, storage_options: dict, checksums: dict[str, str]) -> None:
         self._storage_options = storage_options
+        self._checksums = checksums
 
     def __call__(self, source: str, partial_path: str) -> None:
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(source, **self._storage_options)
         fs.get_file(path, partial_path)
+        expected = self._checksums.get(source)
+        if expected is not None:
+            digest = hashlib.md5(usedforsecurity=False)
+            with open(partial_path, "rb") as file:
+                while chunk := file.read(1 << 20):
+                    digest.update(chunk)
+            if digest.hexdigest() != expected:
+                raise OSError(errno.EIO, f"MD5 {digest.hexdigest()} of the bytes fetched from '{source}' is not the "
+                                         f"{expected} its store lists")

@@ -247,7 +247,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         # use the parent's, whose threads did not come along.
         if self._cache is None or self._cache_pid != os.getpid():
             remote = any(cached and not f.local for f, cached in zip(self._files, self._cached))
-            fetch = FsspecFetch(self.storage_options) if remote else None
+            checksums = {f.source: f.md5 for f in self._files if f.md5 is not None}
+            fetch = FsspecFetch(self.storage_options, checksums) if remote else None
             self._cache = _core.FileCache(self.cache_dir, self.cache_limit, self.cache_threads, self.retries + 1, fetch)
             self._cache_pid = os.getpid()
             atexit.register(_close_cache, weakref.ref(self._cache))

@@ -9,12 +9,14 @@ listing leaves nothing held.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import fcntl
 import fnmatch
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 
@@ -29,6 +31,20 @@ class SourceFile:
     source: str  # absolute local path or full URL
     size: int  # bytes; -1 where the source does not say
     local: bool
+    md5: str | None = None  # hex, where the store's listing gives a whole-file MD5
+
+
+def listed_md5(info: dict, protocols: tuple[str, ...]) -> str | None:
+    """The whole-file MD5 a store's listing gives, as hex: GCS's `md5Hash` (base64), or S3's
+    `ETag` when it is one (a multipart upload's ETag holds a '-' and is not). Other stores'
+    ETags (nginx: mtime-size) are not checksums and are not read."""
+    if any(p in ("gs", "gcs") for p in protocols) and isinstance(info.get("md5Hash"), str):
+        return base64.b64decode(info["md5Hash"]).hex()
+    if any(p in ("s3", "s3a") for p in protocols):
+        etag = info.get("ETag") or info.get("etag")
+        if isinstance(etag, str) and re.fullmatch(r"[0-9a-f]{32}", etag.strip('"')):
+            return etag.strip('"')
+    return None
 
 
 def is_url(text: str) -> bool:
@@ -70,12 +86,16 @@ def _list_remote(url: str, pattern: str | None, storage_options: dict) -> list[S
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if not fs.exists(root):
         raise DataSourceError(f"The dataset source '{url}' does not exist")
     # Directory first: to HTTP's filesystem any URL that answers is a file.
     if not fs.isdir(root):
         name = root.rstrip("/").rsplit("/", 1)[-1]
-        return [SourceFile(fs.unstrip_protocol(root), _size(fs.info(root)), False)] if _matches(name, pattern) else []
+        if not _matches(name, pattern):
+            return []
+        info = fs.info(root)
+        return [SourceFile(fs.unstrip_protocol(root), _size(info), False, listed_md5(info, protocols))]
     found = []
     prefix = root.rstrip("/") + "/"
     for path, info in fs.find(root, detail=True).items():
@@ -83,7 +103,7 @@ def _list_remote(url: str, pattern: str | None, storage_options: dict) -> list[S
             continue
         relative = path[len(prefix) :] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
         if _matches(relative, pattern):
-            found.append(SourceFile(fs.unstrip_protocol(path), _size(info), False))
+            found.append(SourceFile(fs.unstrip_protocol(path), _size(info), False, listed_md5(info, protocols)))
     return found
 
 
