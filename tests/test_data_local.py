@@ -252,6 +252,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing_corrupt(tmp_path):
     _, err = reader.communicate(timeout=120)
     assert reader.returncode != 0
     assert "File too large" in err and str(tmp_path / "cache") in err and "DataFileError" in err
+    assert "the cache's filesystem is full: free space there" in err
     assert not list((tmp_path / "cache" / "files").iterdir())  # no half file was ever renamed in
     # With room again, a new run on the same directory just works.
     again = run_reader(str(tmp_path / "volume"), str(tmp_path / "cache"), "0", "0")

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -119,3 +122,21 @@ def test_only_whole_file_md5s_of_s3_and_gcs_listings_are_taken_as_checksums():
     assert listed_md5({"ETag": f'"{digest.hex()}"'}, ("s3", "s3a")) == digest.hex()
     assert listed_md5({"ETag": '"9b2cf535f27731c974343645a3985328-2"'}, ("s3", "s3a")) is None  # multipart
     assert listed_md5({"ETag": f'"{digest.hex()}"'}, ("http", "https")) is None  # not a checksum there
+
+
+def test_a_full_cache_disk_under_a_remote_fetch_is_a_clear_error(served, tmp_path):
+    server, _, _ = served
+    code = textwrap.dedent(
+        f"""
+        import resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writing past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+        from fanrun.data import VolumeDataset
+        list(VolumeDataset({server.url + "/shard0/"!r}, cache_dir={str(tmp_path / "cache")!r}, retries=0))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "DataFileError" in done.stderr and "File too large" in done.stderr, done.stderr
+    assert "the cache's filesystem is full: free space there" in done.stderr
+    assert not list((tmp_path / "cache" / "files").iterdir())

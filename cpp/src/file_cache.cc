@@ -40,6 +40,17 @@ Status ValidateName(const std::string& name) {
   return Status::OK();
 }
 
+// A write that failed because the cache's filesystem is full says what to do about it.
+Status WriteFailed(int err, const std::string& what) {
+  Status status = Status::IOErrorFromErrno(err, what);
+  if (err == ENOSPC || err == EFBIG || err == EDQUOT) {
+    return Status(status.code(), status.message() +
+                                     "; the cache's filesystem is full: free space there, lower cache_limit, "
+                                     "or choose another cache_dir");
+  }
+  return status;
+}
+
 }  // namespace
 
 Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
@@ -56,7 +67,7 @@ Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return Status::IOErrorFromErrno(errno, "Failed to copy '", item.source, "' to '", partial_path, "'");
+      if (n < 0) return WriteFailed(errno, internal::StrCat("Failed to copy '", item.source, "' to '", partial_path, "'"));
       if (n == 0) break;
       continue;
     }
@@ -64,8 +75,13 @@ Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Status::IOErrorFromErrno(errno, "Failed to read '", item.source, "'");
     if (n == 0) break;
-    Status written = WriteAll(out.fd(), buffer, static_cast<size_t>(n));
-    if (!written.ok()) return Status(written.code(), internal::StrCat("Failed to write '", partial_path, "': ", written.message()));
+    ssize_t done = 0;
+    while (done < n) {
+      const ssize_t w = ::write(out.fd(), buffer + done, static_cast<size_t>(n - done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) return WriteFailed(errno, internal::StrCat("Failed to write '", partial_path, "'"));
+      done += w;
+    }
   }
   return out.Close();
 }

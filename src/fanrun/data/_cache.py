@@ -68,7 +68,13 @@ class FsspecFetch:
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(source, **self._storage_options)
-        fs.get_file(path, partial_path)
+        try:
+            fs.get_file(path, partial_path)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise OSError(error.errno, f"{error.strerror} writing '{partial_path}': the cache's filesystem is full: "
+                                           "free space there, lower cache_limit, or choose another cache_dir") from error
+            raise
         expected = self._checksums.get(source)
         if expected is not None:
             digest = hashlib.md5(usedforsecurity=False)
