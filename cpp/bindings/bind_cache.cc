@@ -1,6 +1,7 @@
 // Python access to the node-wide file cache; a Python callable may fetch remote sources.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <unistd.h>
 
@@ -110,8 +111,8 @@ class PyLocalPrefetcher {
 void BindCache(nb::module_& m) {
   nb::class_<PyLocalPrefetcher>(m, "LocalPrefetcher")
       .def(nb::init<int>(), nb::arg("threads"))
-      .def("hint", [](PyLocalPrefetcher& self, std::string path) { self.prefetcher().Hint(std::move(path)); },
-           nb::arg("path"))
+      .def("hint", [](PyLocalPrefetcher& self, std::vector<std::string> paths) { self.prefetcher().Hint(std::move(paths)); },
+           nb::arg("paths"))
       .def("drain",
            [](PyLocalPrefetcher& self) {
              LocalPrefetcher& prefetcher = self.prefetcher();

@@ -23,10 +23,10 @@ LocalPrefetcher::~LocalPrefetcher() {
   for (auto& thread : threads_) thread.join();
 }
 
-void LocalPrefetcher::Hint(std::string path) {
+void LocalPrefetcher::Hint(std::vector<std::string> paths) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(path));
+    for (auto& path : paths) queue_.push_back(std::move(path));
   }
   work_ready_.notify_one();
 }

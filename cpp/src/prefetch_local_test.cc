@@ -8,6 +8,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace fanrun {
 namespace {
@@ -17,12 +18,13 @@ TEST(LocalPrefetcherTest, HintsEveryFileAndCountsTheMissing) {
   ASSERT_NE(::mkdtemp(pattern), nullptr);
   const std::string dir = pattern;
   LocalPrefetcher prefetcher(3);
+  std::vector<std::string> paths;
   for (int i = 0; i < 20; ++i) {
-    const std::string path = dir + "/f" + std::to_string(i);
-    std::ofstream(path) << std::string(10000, 'p');
-    prefetcher.Hint(path);
+    paths.push_back(dir + "/f" + std::to_string(i));
+    std::ofstream(paths.back()) << std::string(10000, 'p');
   }
-  prefetcher.Hint(dir + "/missing");
+  prefetcher.Hint(paths);
+  prefetcher.Hint({dir + "/missing"});
   prefetcher.Drain();
   EXPECT_EQ(prefetcher.hinted(), 20u);
   EXPECT_EQ(prefetcher.failed(), 1u);
@@ -31,7 +33,7 @@ TEST(LocalPrefetcherTest, HintsEveryFileAndCountsTheMissing) {
 
 TEST(LocalPrefetcherTest, DestroyingWithHintsQueuedDropsThemAndJoins) {
   auto prefetcher = std::make_unique<LocalPrefetcher>(1);
-  for (int i = 0; i < 10000; ++i) prefetcher->Hint("/nonexistent/fanrun/" + std::to_string(i));
+  for (int i = 0; i < 10000; ++i) prefetcher->Hint({"/nonexistent/fanrun/" + std::to_string(i)});
   prefetcher.reset();  // returns without giving every hint
   SUCCEED();
 }

@@ -26,7 +26,8 @@ class LocalPrefetcher {
   LocalPrefetcher(const LocalPrefetcher&) = delete;
   LocalPrefetcher& operator=(const LocalPrefetcher&) = delete;
 
-  void Hint(std::string path);
+  // One hand-over for several files: a single thread wakes for them, not one per file.
+  void Hint(std::vector<std::string> paths);
   // Waits until every hint queued so far has been given to the kernel.
   void Drain();
 

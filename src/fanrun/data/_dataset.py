@@ -265,13 +265,18 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         try:
             for position, index in enumerate(entries):
                 # The next `prefetch` files: fetched into the cache, or read ahead by the kernel.
-                while prefetched < min(len(entries), position + 1 + self.prefetch):
-                    ahead = files[entries[prefetched]]
-                    if self._cached[entries[prefetched]]:
-                        cache.prefetch(ahead.source, cache_name(ahead.source), ahead.size)
-                    elif readahead is not None and 0 <= ahead.size <= _READAHEAD_MAX_FILE:
-                        readahead.hint(ahead.source)
-                    prefetched += 1
+                # Refilled when half read, so that the threads wake once for several files.
+                if prefetched - position <= self.prefetch // 2:
+                    to_read_ahead = []
+                    while prefetched < min(len(entries), position + 1 + self.prefetch):
+                        ahead = files[entries[prefetched]]
+                        if self._cached[entries[prefetched]]:
+                            cache.prefetch(ahead.source, cache_name(ahead.source), ahead.size)
+                        elif readahead is not None and 0 <= ahead.size <= _READAHEAD_MAX_FILE:
+                            to_read_ahead.append(ahead.source)
+                        prefetched += 1
+                    if to_read_ahead:
+                        readahead.hint(to_read_ahead)
                 file = files[index]
                 if not self._cached[index]:
                     sample = self._read(file, file.source)

@@ -10,7 +10,6 @@ listing leaves nothing held.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import fcntl
 import fnmatch
 import hashlib
@@ -19,6 +18,7 @@ import os
 import re
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .._errors import DataSourceError
 
@@ -26,8 +26,8 @@ from .._errors import DataSourceError
 _STALE_LISTING_S = 24 * 3600
 
 
-@dataclasses.dataclass(frozen=True)
-class SourceFile:
+class SourceFile(NamedTuple):
+    # A tuple, so that tens of thousands are made and written to JSON quickly.
     source: str  # absolute local path or full URL
     size: int  # bytes; -1 where the source does not say
     local: bool
@@ -69,6 +69,7 @@ def _list_local(root: str, pattern: str | None) -> list[SourceFile]:
         return [SourceFile(path, os.path.getsize(path), True)]
     found = []
     stack = [path]
+    skip = len(path.rstrip("/")) + 1  # entry paths all start with the root and a '/'
     while stack:
         directory = stack.pop()
         with os.scandir(directory) as entries:
@@ -76,7 +77,7 @@ def _list_local(root: str, pattern: str | None) -> list[SourceFile]:
                 if entry.is_dir(follow_symlinks=True):
                     stack.append(entry.path)
                 elif entry.is_file(follow_symlinks=True):
-                    relative = os.path.relpath(entry.path, path)
+                    relative = entry.path[skip:]
                     if _matches(relative, pattern):
                         found.append(SourceFile(entry.path, entry.stat().st_size, True))
     return found
@@ -158,7 +159,7 @@ def shared_listing(
         files = list_files(source, pattern, storage_options)
         temporary = f"{target}.{os.getpid()}.tmp"
         with open(temporary, "w") as file:
-            json.dump([dataclasses.astuple(f) for f in files], file)
+            file.write(json.dumps(files, separators=(",", ":")))
         os.replace(temporary, target)
     _remove_stale_listings(directory)
     return files
