@@ -37,7 +37,9 @@ test-cpp: setup
 	PATH="$(BIN):$$PATH" cmake --build $(CPP_TEST_BUILD)
 	cd $(CPP_TEST_BUILD) && PATH="$(BIN):$$PATH" ctest --output-on-failure -j2
 
+# nginx serves the remote source of the data tests; Debian's package, like GoogleTest's.
 test-python: setup
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || (apt-get update -qq && apt-get install -y -qq nginx-light)
 	$(PY) -m pytest tests
 
 clean:

@@ -9,12 +9,14 @@ namespace fanrun::bindings {
 void BindSupervisor(nb::module_& m);
 void BindAccelerators(nb::module_& m);
 void BindCheckpoint(nb::module_& m);
+void BindCache(nb::module_& m);
 }  // namespace fanrun::bindings
 
 NB_MODULE(_core, m) {
-  m.doc() = "fanrun's C++ engine: process supervision, log multiplexing, accelerator detection";
+  m.doc() = "fanrun's C++ engine: process supervision, log multiplexing, accelerator detection, checkpoint I/O, the file cache";
   fanrun::bindings::BindErrors(m);
   fanrun::bindings::BindSupervisor(m);
   fanrun::bindings::BindAccelerators(m);
   fanrun::bindings::BindCheckpoint(m);
+  fanrun::bindings::BindCache(m);
 }

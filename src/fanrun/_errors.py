@@ -93,3 +93,16 @@ class NotACheckpointError(FileNotFoundError, FanrunError):
 
 class CheckpointExistsError(FileExistsError, FanrunError):
     """The target exists and may not be replaced: overwrite=False, or it is not a checkpoint."""
+
+
+# Datasets (fanrun.data.VolumeDataset).
+class DataSourceError(FileNotFoundError, FanrunError):
+    """A dataset's source does not exist or holds no file that matches its pattern."""
+
+
+class DataFileError(OSError, FanrunError):
+    """A file of a dataset could not be read, nor fetched, after every retry."""
+
+
+class CacheLimitError(ValueError, FanrunError):
+    """A dataset's cache_limit is smaller than what its prefetching needs."""

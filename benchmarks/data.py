@@ -1,0 +1,428 @@
+"""Benchmark: reading one corpus with VolumeDataset, a plain torch Dataset, WebDataset and
+MosaicML streaming, N ranks x W DataLoader workers: warm (page cache), cold from the disk
+(the files dropped from the page cache first) and cold over HTTP from nginx, against the raw
+read bandwidth of the same files from the same places.
+
+Every method reads every byte of every sample in its DataLoader workers and hands back the
+sample's length, so that what is timed is the input pipeline, not the transfer of batches to
+the main process. Each method runs in a fanrun call of its own, from a barrier in every
+rank, and the slowest rank's time is the method's time. Times include building the dataset
+and starting the workers.
+
+    python benchmarks/data.py                 # a small corpus, a few minutes on 2 cores
+    python benchmarks/data.py --full          # 20,000 x 100 KB and 200 x 10 MB
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the nginx the data tests use
+
+PEERS = ("webdataset", "streaming")
+GOAL_RATIO = 1.5
+GOAL_RAW_FRACTION = 0.9
+GOAL_FIRST_BATCH_S = 1.0
+COLD_DISK = ", cold disk"  # run after the files were dropped from the page cache
+SHARDS = 16  # tar and MDS shards per corpus: at least ranks x workers, so every worker has some
+
+
+@dataclasses.dataclass
+class Corpus:
+    name: str
+    count: int
+    size: int  # bytes per file
+
+
+# ---------------------------------------------------------------- the corpus and its conversions
+
+
+def make_corpus(directory: Path, corpus: Corpus) -> None:
+    marker = directory / f".complete-{corpus.count}x{corpus.size}"
+    if marker.exists():
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    block = os.urandom(corpus.size)
+    for i in range(corpus.count):
+        sub = directory / f"d{i % 16:02d}"
+        sub.mkdir(parents=True, exist_ok=True)
+        header = f"{i:08d}".encode()
+        (sub / f"s{i:06d}.bin").write_bytes(header + block[len(header):])
+    marker.touch()
+
+
+def files_of(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*.bin"))
+
+
+def to_webdataset(files: list[Path], out: Path) -> float:
+    import webdataset as wds
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    started = time.perf_counter()
+    per_shard = -(-len(files) // SHARDS)
+    for shard in range(SHARDS):
+        with wds.TarWriter(str(out / f"shard-{shard:03d}.tar")) as sink:
+            for i, path in enumerate(files[shard * per_shard:(shard + 1) * per_shard]):
+                sink.write({"__key__": f"{shard:03d}{i:06d}", "bin": path.read_bytes()})
+    return time.perf_counter() - started
+
+
+def to_mds(files: list[Path], out: Path) -> float:
+    streaming = import_streaming()
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.perf_counter()
+    total = sum(p.stat().st_size for p in files)
+    limit = max(1 << 20, total // SHARDS + 1)
+    with streaming.MDSWriter(out=str(out), columns={"bin": "bytes"}, size_limit=limit) as writer:
+        for path in files:
+            writer.write({"bin": path.read_bytes()})
+    return time.perf_counter() - started
+
+
+def import_streaming():
+    """MosaicML streaming's package imports its vision datasets, and so torchvision, on import.
+    The only torchvision for torch 2.13.0 on the index is a CUDA build that cannot load against
+    torch's CPU build; the vision datasets are not used here, so they are left out."""
+    import types
+
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
+    import streaming
+
+    return streaming
+
+
+def evict(*directories: Path) -> None:
+    """Drops the files from the page cache (posix_fadvise DONTNEED: no privilege needed), so
+    that the next read comes from the disk."""
+    for directory in directories:
+        for path in directory.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # dirty pages would stay
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def raw_read(directory: Path, parallel: int) -> tuple[float, float]:
+    """MB/s of `cat` run by `parallel` processes over every file: from the disk, then from the
+    page cache. The limits the methods are held to."""
+    command = f"find {directory} -name '*.bin' -print0 | xargs -0 -P {parallel} -n 64 cat > /dev/null"
+    total = sum(p.stat().st_size for p in files_of(directory))
+    figures = []
+    for cold in (True, False):
+        if cold:
+            evict(directory)
+        started = time.perf_counter()
+        subprocess.run(command, shell=True, check=True)
+        figures.append(total / (time.perf_counter() - started) / 1e6)
+    return figures[0], figures[1]
+
+
+# ---------------------------------------------------------------- what the ranks run
+
+
+def rank_methods(spec: dict) -> dict:
+    """In every rank: each method of spec in turn, from a barrier, over the whole corpus once."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.utils.data
+
+    # More workers than cores is what the benchmark asks for on a small machine.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch, workers = spec["batch_size"], spec["workers"]
+
+    def read_len(path: str) -> int:
+        with open(path, "rb") as file:
+            return len(file.read())
+
+    class PlainFiles(torch.utils.data.Dataset):
+        def __init__(self, paths):
+            self.paths = paths
+
+        def __len__(self):
+            return len(self.paths)
+
+        def __getitem__(self, index):
+            return read_len(self.paths[index])
+
+    class PlainHttp(PlainFiles):
+        def __getitem__(self, index):
+            import fsspec
+
+            with fsspec.open(self.paths[index], "rb") as file:
+                return len(file.read())
+
+    def volume(source, cache_dir):
+        from fanrun.data import DataLoader, VolumeDataset
+
+        ds = VolumeDataset(source, pattern="*.bin", cache_dir=cache_dir, transform=read_len)
+        return DataLoader(ds, batch_size=batch, num_workers=workers)
+
+    def plain(paths):
+        if isinstance(paths, str):  # a directory, listed as a user of a plain Dataset would
+            paths = sorted(str(p) for p in Path(paths).rglob("*.bin"))
+        ds = PlainFiles(paths) if not paths[0].startswith("http") else PlainHttp(paths)
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, shuffle=True)
+        return torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers, sampler=sampler)
+
+    def webdataset(urls):
+        import webdataset as wds
+
+        ds = wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node,
+                            workersplitter=wds.split_by_worker, empty_check=False).map(lambda s: len(s["bin"]))
+        return torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers)
+
+    def mosaic(local):
+        streaming = import_streaming()
+
+        class Lengths(streaming.StreamingDataset):
+            def __getitem__(self, index):
+                return len(super().__getitem__(index)["bin"])
+
+        ds = Lengths(local=local, shuffle=True, batch_size=batch)
+        return torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers)
+
+    makers = {
+        "volume": lambda: volume(spec["local"], spec["cache"]),
+        "volume (http, warm cache)": lambda: volume(spec["url"], spec["cache"]),
+        "volume (http, cold)": lambda: volume(spec["url"], spec["cold_cache"]),
+        "plain": lambda: plain(spec["local"]),
+        "plain (http, cold)": lambda: plain(spec["urls"]),
+        "webdataset": lambda: webdataset(spec["tars"]),
+        "webdataset (http, cold)": lambda: webdataset(spec["tar_urls"]),
+        "streaming": lambda: mosaic(spec["mds"]),
+    }
+    # Each library is imported before the clock starts: what is timed is reading, not importing.
+    imports = {"volume": "fanrun.data", "webdataset": "webdataset", "plain (http": "fsspec"}
+    for name in spec["methods"]:
+        for prefix, module in imports.items():
+            if name.startswith(prefix):
+                __import__(module)
+        if name.startswith("streaming"):
+            import_streaming()
+    results = {}
+    for name in spec["methods"]:
+        dist.barrier()
+        started = time.perf_counter()
+        loader = None
+        try:
+            loader = makers[name.removesuffix(COLD_DISK)]()
+            first = None
+            samples = total = 0
+            for batch_lengths in loader:
+                if first is None:
+                    first = time.perf_counter() - started
+                samples += len(batch_lengths)
+                total += int(sum(batch_lengths))
+            elapsed = time.perf_counter() - started
+            results[name] = {"first": first, "elapsed": elapsed, "samples": samples, "bytes": total}
+        except Exception as error:  # one method failing must not hide the others' figures
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        del loader
+    dist.destroy_process_group()
+    return {"rank": rank, "world": world, "results": results}
+
+
+# ---------------------------------------------------------------- the caller
+
+
+def run_corpus(args, corpus: Corpus, work: Path, server, methods: list[str]) -> tuple[dict, dict]:
+    from fanrun import distributed
+
+    directory = work / "corpus" / corpus.name
+    make_corpus(directory, corpus)
+    files = files_of(directory)
+    notes = {}
+    if any(m.startswith("webdataset") for m in methods):
+        notes["webdataset conversion s"] = to_webdataset(files, work / "wds" / corpus.name)
+    if any(m.startswith("streaming") for m in methods):
+        try:
+            notes["MDS conversion s"] = to_mds(files, work / "mds" / corpus.name)
+        except Exception as error:
+            notes["MDS conversion s"] = f"failed: {type(error).__name__}: {error}"
+            methods = [m for m in methods if not m.startswith("streaming")]
+    notes["raw cold MB/s"], notes["raw MB/s"] = raw_read(directory, args.ranks * args.workers)
+    relative = [p.relative_to(work) for p in files]
+    tars = sorted((work / "wds" / corpus.name).glob("*.tar"))
+    cold_cache = work / "cache-cold" / corpus.name / str(time.time_ns())
+    base = server.url if server is not None else "http://nginx-not-running"
+    spec = {
+        "batch_size": args.batch_size, "workers": args.workers, "methods": methods,
+        "local": str(directory),
+        "url": f"{base}/corpus/{corpus.name}/", "urls": [f"{base}/{p}" for p in relative],
+        "cache": str(work / "cache-warm" / corpus.name), "cold_cache": str(cold_cache),
+        "tars": [str(t) for t in tars], "tar_urls": [f"{base}/{t.relative_to(work)}" for t in tars],
+        "mds": str(work / "mds" / corpus.name),
+    }
+    # The warm cache for remote reads is filled once, untimed.
+    if "volume (http, warm cache)" in methods:
+        from fanrun.data import VolumeDataset
+
+        for _ in VolumeDataset(spec["url"], pattern="*.bin", cache_dir=spec["cache"]):
+            pass
+    # One call per method: no library's threads, processes or shared memory meet another's.
+    launch = distributed(num_accelerators=args.ranks, tracking=False)(rank_methods)
+    per_method = {}
+    for name in methods:
+        if name.endswith(COLD_DISK) or "cold" in name:
+            evict(directory, work / "wds" / corpus.name, work / "mds" / corpus.name)
+        per_method[name] = launch.distributed({**spec, "methods": [name]})
+    shutil.rmtree(work / "cache-cold", ignore_errors=True)
+    merged = {}
+    for name in methods:
+        ranks = [r["results"][name] for r in per_method[name]]
+        errors = [r["error"] for r in ranks if "error" in r]
+        if errors:
+            merged[name] = {"error": errors[0]}
+            continue
+        wall = max(r["elapsed"] for r in ranks)
+        samples = sum(r["samples"] for r in ranks)
+        total = sum(r["bytes"] for r in ranks)
+        merged[name] = {"samples/s": samples / wall, "MB/s": total / wall / 1e6,
+                        "first batch s": max(r["first"] for r in ranks), "samples": samples}
+    return merged, notes
+
+
+def render(corpus: Corpus, merged: dict, notes: dict) -> str:
+    header = ["method", "samples/s", "MB/s", "first batch s", "samples", "vs raw"]
+    rows = []
+    for name, cell in merged.items():
+        if "error" in cell:
+            rows.append([name, "error", cell["error"][:80], "", "", ""])
+            continue
+        raw = notes["raw cold MB/s"] if "cold" in name else notes["raw MB/s"]
+        rows.append([name, f"{cell['samples/s']:.0f}", f"{cell['MB/s']:.0f}", f"{cell['first batch s']:.2f}",
+                     str(cell["samples"]), f"{cell['MB/s'] / raw:.0%}"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [f"Corpus {corpus.name}: {corpus.count} files x {corpus.size / 1e6:g} MB"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, [("-" * w) for w in widths], *rows]]
+    lines.append(f"raw read (cat, {notes['parallel']} processes): {notes['raw MB/s']:.0f} MB/s from the page cache, "
+                 f"{notes['raw cold MB/s']:.0f} MB/s from the disk (the 'vs raw' of cold rows); "
+                 + "; ".join(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in notes.items()
+                             if k not in ("raw MB/s", "raw cold MB/s", "parallel")))
+    return "\n".join(lines)
+
+
+def goals(corpus: Corpus, merged: dict, notes: dict) -> list[str]:
+    out = []
+    for suffix, raw_key, where in (("", "raw MB/s", "warm"), (COLD_DISK, "raw cold MB/s", "cold disk")):
+        ours = merged.get("volume" + suffix)
+        if not ours or "error" in ours:
+            out.append(f"{corpus.name}, {where}: VolumeDataset did not run")
+            continue
+        for peer in PEERS:
+            theirs = merged.get(peer + suffix)
+            if not theirs or "error" in theirs:
+                out.append(f"{corpus.name}, {where}: VolumeDataset >= {GOAL_RATIO}x {peer}: n/a ({peer} did not run)")
+                continue
+            ratio = ours["samples/s"] / theirs["samples/s"]
+            goal = "" if suffix else " [goal]"
+            out.append(f"{corpus.name}, {where}: VolumeDataset >= {GOAL_RATIO}x {peer}{goal}: "
+                       f"{'holds' if ratio >= GOAL_RATIO else 'NOT MET'} ({ratio:.2f}x)")
+        fraction = ours["MB/s"] / notes[raw_key]
+        out.append(f"{corpus.name}, {where}: VolumeDataset >= {GOAL_RAW_FRACTION:.0%} of raw read bandwidth [goal]: "
+                   f"{'holds' if fraction >= GOAL_RAW_FRACTION else 'NOT MET'} ({fraction:.0%})")
+        first = ours["first batch s"]
+        out.append(f"{corpus.name}, {where}: VolumeDataset first batch within {GOAL_FIRST_BATCH_S:g} s [goal]: "
+                   f"{'holds' if first <= GOAL_FIRST_BATCH_S else 'NOT MET'} ({first:.2f} s)")
+    return out
+
+
+LOCAL_METHODS = ["volume", "plain", "webdataset", "streaming"]
+ALL_METHODS = [*LOCAL_METHODS, "volume (http, warm cache)", *(m + COLD_DISK for m in LOCAL_METHODS),
+               "volume (http, cold)", "plain (http, cold)", "webdataset (http, cold)"]
+
+
+def usable(methods: list[str]) -> tuple[list[str], list[str]]:
+    """The methods this machine can run, and why the others cannot."""
+    from nginx_server import nginx_binary
+
+    reasons = {}
+    if nginx_binary() is None:
+        reasons["http"] = "nginx is not installed (Debian's nginx-light; `make test-python` installs it)"
+    try:
+        import webdataset  # noqa: F401
+    except ImportError as error:
+        reasons["webdataset"] = f"webdataset cannot be imported ({error}); pip install '.[bench]'"
+    try:
+        import_streaming()
+    except Exception as error:
+        reasons["streaming"] = f"MosaicML streaming cannot be imported ({type(error).__name__}: {error}); pip install '.[bench]'"
+    kept, skipped = [], []
+    for name in methods:
+        why = next((reason for key, reason in reasons.items() if key in name), None)
+        (skipped.append(f"{name}: {why}") if why else kept.append(name))
+    return kept, skipped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="the issue's corpus: 20,000 x 100 KB and 200 x 10 MB")
+    parser.add_argument("--small-files", type=int, default=2000)
+    parser.add_argument("--small-kb", type=int, default=100)
+    parser.add_argument("--large-files", type=int, default=20)
+    parser.add_argument("--large-mb", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--methods", nargs="+", default=ALL_METHODS, choices=ALL_METHODS)
+    parser.add_argument("--dir", type=Path, help="keep the corpus here between runs (default: a temporary folder, removed)")
+    args = parser.parse_args()
+    if args.full:
+        args.small_files, args.small_kb, args.large_files, args.large_mb = 20000, 100, 200, 10
+    corpora = [Corpus("small", args.small_files, args.small_kb * 1000), Corpus("large", args.large_files, args.large_mb * 1000 * 1000)]
+    os.environ.setdefault("FANRUN_TRACKING", "0")
+
+    from nginx_server import NginxServer
+
+    methods, skipped = usable(list(args.methods))
+    work = args.dir or Path(tempfile.mkdtemp(prefix="fanrun-data-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "nginx").mkdir(exist_ok=True)
+    server = NginxServer(work, work / "nginx") if any("http" in m for m in methods) else None
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"{args.ranks} ranks x {args.workers} workers, batch {args.batch_size}; work dir {work}", flush=True)
+    for line in skipped:
+        print(f"not run: {line}", flush=True)
+    try:
+        report = []
+        for corpus in corpora:
+            merged, notes = run_corpus(args, corpus, work, server, methods)
+            notes["parallel"] = args.ranks * args.workers
+            report.append((corpus, merged, notes))
+            print(render(corpus, merged, notes) + "\n", flush=True)
+        print("Goals (warm: the files in the page cache, or in the node's cache for http; cold disk: dropped from the "
+              "page cache first; http, cold: over HTTP from nginx on 127.0.0.1, an empty cache, the server's files "
+              "dropped from the page cache):")
+        for corpus, merged, notes in report:
+            for line in goals(corpus, merged, notes):
+                print("  " + line)
+    finally:
+        if server is not None:
+            server.stop()
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

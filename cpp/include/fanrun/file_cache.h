@@ -1,0 +1,124 @@
+// FileCache: a node-wide cache directory that a pool of threads fills ahead of use.
+//
+// Many processes (ranks and their DataLoader workers) open the same directory; each
+// file is fetched once. All coordination is through the directory itself with flock
+// locks, which the kernel drops when a process dies, so a crash leaves nothing held and
+// nothing in /dev/shm:
+//   files/<name>     complete, verified files: the only ones ever served
+//   partial/<name>   a fetch in progress, renamed into files/ once its size is verified
+//   locks/<name>     held exclusively while <name> is fetched (one fetcher per node)
+//   usage            bytes in files/, guarded by its own flock; a hint, rebuilt by a scan
+// The limit bounds files/; fetches in flight (one per thread) sit in partial/ beside it.
+// A file in use holds a shared flock on its files/ entry; eviction takes an exclusive
+// one without waiting, so it only ever removes files no process is using.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fanrun/fd.h"
+#include "fanrun/status.h"
+
+namespace fanrun {
+
+struct CacheOptions {
+  std::string dir;
+  uint64_t limit_bytes = 0;  // 0: unbounded
+  int threads = 4;
+  int attempts = 3;          // tries per file before its error is returned
+};
+
+// One file to bring into the cache.
+struct CacheItem {
+  std::string source;  // what the fetcher reads: a path or a URL
+  std::string name;    // its file name in the cache, unique per source
+  int64_t size = -1;   // expected bytes, verified after the fetch; -1 when unknown
+};
+
+// Writes the whole of item.source into partial_path (creating or truncating it).
+// Called on the pool's threads, several at a time.
+using Fetcher = std::function<Status(const CacheItem& item, const std::string& partial_path)>;
+
+// Copies a local file: for sources on a slow mount that should be read from local disk.
+Status CopyLocalFile(const CacheItem& item, const std::string& partial_path);
+
+struct CacheStats {
+  uint64_t hits = 0;           // found complete in the cache
+  uint64_t fetched = 0;        // fetched by this process
+  uint64_t bytes_fetched = 0;
+  uint64_t retries = 0;        // failed attempts that were tried again
+  uint64_t evicted = 0;        // files this process removed to stay under the limit
+  uint64_t over_limit = 0;     // times files in use alone exceeded the limit
+};
+
+class FileCache {
+ public:
+  static Result<std::unique_ptr<FileCache>> Open(CacheOptions options, Fetcher fetcher);
+  // Stops the threads and joins them; a fetch in progress is finished first.
+  ~FileCache();
+  FileCache(const FileCache&) = delete;
+  FileCache& operator=(const FileCache&) = delete;
+
+  // Queues a fetch unless this process already holds or queued the file.
+  Status Prefetch(const CacheItem& item);
+  // Waits until the file is in the cache and returns its path; it stays in use (never
+  // evicted) until Release. A fetch that failed every attempt returns its error.
+  Result<std::string> Acquire(const CacheItem& item);
+  // Ends this process's use of a file, whether it was acquired, prefetched or queued.
+  void Release(const std::string& name);
+  // Releases every file and drops queued fetches.
+  void ReleaseAll();
+
+  CacheStats Stats() const;
+  const CacheOptions& options() const { return options_; }
+  std::string FilePath(const std::string& name) const;
+
+ private:
+  enum class State { kQueued, kFetching, kReady, kFailed };
+  struct Entry {
+    CacheItem item;
+    State state = State::kQueued;
+    Status status;
+    FileDescriptor pin;     // shared flock on files/<name> while in use
+    bool released = false;  // released while a thread was fetching it
+  };
+
+  FileCache(CacheOptions options, Fetcher fetcher, FileDescriptor usage);
+  void Run();
+  // Records the outcome of a fetch; called with mutex_ held.
+  void Finish(const std::string& name, Result<FileDescriptor> pin);
+  // Brings the file into files/ and returns a descriptor holding its shared flock.
+  Result<FileDescriptor> Materialize(const CacheItem& item);
+  Result<FileDescriptor> PinIfComplete(const CacheItem& item, bool* found);
+  Status FetchOnce(const CacheItem& item, uint64_t* bytes);
+  // Moves a verified fetch into files/, first evicting least recently used files not in
+  // use until `bytes` more fit under the limit.
+  Status Commit(const std::string& partial, const std::string& final_path, uint64_t bytes);
+  // Scans files/ and evicts; returns the bytes left there.
+  Result<uint64_t> EvictUntil(uint64_t need);
+
+  const CacheOptions options_;
+  const Fetcher fetcher_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable entry_done_;
+  std::deque<std::string> queue_;
+  std::map<std::string, Entry> entries_;
+  bool stopping_ = false;
+  CacheStats stats_;
+
+  std::mutex usage_mutex_;  // flock does not exclude threads sharing one descriptor
+  FileDescriptor usage_;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace fanrun

@@ -1,0 +1,231 @@
+// Tests of the node-wide file cache: one fetch per file, verification, eviction, crashes.
+#include "fanrun/file_cache.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <thread>
+
+namespace fanrun {
+namespace {
+
+class FileCacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/fanrun-cache-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    root_ = pattern;
+    source_dir_ = root_ + "/source";
+    cache_dir_ = root_ + "/cache";
+    ASSERT_EQ(::mkdir(source_dir_.c_str(), 0755), 0);
+  }
+  void TearDown() override { ASSERT_EQ(std::system(("rm -rf '" + root_ + "'").c_str()), 0); }
+
+  CacheItem Source(const std::string& name, size_t size, char fill = 'x') {
+    const std::string path = source_dir_ + "/" + name;
+    std::ofstream(path) << std::string(size, fill);
+    return CacheItem{path, name, static_cast<int64_t>(size)};
+  }
+
+  std::unique_ptr<FileCache> OpenCache(uint64_t limit, Fetcher fetcher = CopyLocalFile, int attempts = 3) {
+    CacheOptions options;
+    options.dir = cache_dir_;
+    options.limit_bytes = limit;
+    options.threads = 2;
+    options.attempts = attempts;
+    auto cache = FileCache::Open(options, std::move(fetcher));
+    EXPECT_TRUE(cache.ok()) << cache.status().message();
+    return cache.ok() ? std::move(cache).ValueOrDie() : nullptr;
+  }
+
+  std::vector<std::string> Listing(const std::string& sub) {
+    std::vector<std::string> names;
+    DIR* dir = ::opendir((cache_dir_ + "/" + sub).c_str());
+    if (dir == nullptr) return names;
+    while (struct dirent* entry = ::readdir(dir)) {
+      if (entry->d_name[0] != '.') names.push_back(entry->d_name);
+    }
+    ::closedir(dir);
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  static std::string Read(const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+  std::string root_, source_dir_, cache_dir_;
+};
+
+TEST_F(FileCacheTest, FetchesOnceAndServesTheSameBytesFromLaterCaches) {
+  CacheItem item = Source("a.bin", 5000, 'a');
+  {
+    auto cache = OpenCache(0);
+    auto path = cache->Acquire(item);
+    ASSERT_TRUE(path.ok()) << path.status().message();
+    EXPECT_EQ(*path, cache_dir_ + "/files/a.bin");
+    EXPECT_EQ(Read(*path), std::string(5000, 'a'));
+    EXPECT_EQ(cache->Stats().fetched, 1u);
+    EXPECT_EQ(cache->Stats().bytes_fetched, 5000u);
+  }
+  auto again = OpenCache(0);
+  ASSERT_TRUE(again->Acquire(item).ok());
+  EXPECT_EQ(again->Stats().hits, 1u);
+  EXPECT_EQ(again->Stats().fetched, 0u);
+}
+
+TEST_F(FileCacheTest, CachesSharingADirectoryFetchEachFileOnce) {
+  std::vector<CacheItem> items;
+  for (int i = 0; i < 20; ++i) items.push_back(Source("f" + std::to_string(i), 2000));
+  std::atomic<int> calls{0};
+  Fetcher counting = [&](const CacheItem& item, const std::string& partial) {
+    ++calls;
+    return CopyLocalFile(item, partial);
+  };
+  // Each cache opens its own descriptors, so their flocks exclude each other as two
+  // processes' would.
+  auto first = OpenCache(0, counting);
+  auto second = OpenCache(0, counting);
+  for (const auto& item : items) {
+    ASSERT_TRUE(first->Prefetch(item).ok());
+    ASSERT_TRUE(second->Prefetch(item).ok());
+  }
+  for (const auto& item : items) {
+    ASSERT_TRUE(first->Acquire(item).ok());
+    ASSERT_TRUE(second->Acquire(item).ok());
+  }
+  EXPECT_EQ(calls.load(), 20);
+  EXPECT_EQ(first->Stats().fetched + second->Stats().fetched, 20u);
+  EXPECT_EQ(first->Stats().hits + second->Stats().hits, 20u);
+}
+
+TEST_F(FileCacheTest, AFailingSourceIsRetriedThenNamedAndLeavesNoFile) {
+  CacheItem item{source_dir_ + "/gone.bin", "gone.bin", 10};
+  auto cache = OpenCache(0, CopyLocalFile, 3);
+  auto path = cache->Acquire(item);
+  ASSERT_FALSE(path.ok());
+  EXPECT_NE(path.status().message().find(source_dir_ + "/gone.bin"), std::string::npos) << path.status().message();
+  EXPECT_NE(path.status().message().find("3 attempts"), std::string::npos) << path.status().message();
+  EXPECT_EQ(cache->Stats().retries, 2u);
+  EXPECT_TRUE(Listing("files").empty());
+  EXPECT_TRUE(Listing("partial").empty());
+}
+
+TEST_F(FileCacheTest, AShortFetchIsNeverServed) {
+  CacheItem item = Source("short.bin", 100);
+  item.size = 200;  // the source promised more than it gave
+  auto cache = OpenCache(0, CopyLocalFile, 1);
+  auto path = cache->Acquire(item);
+  ASSERT_FALSE(path.ok());
+  EXPECT_NE(path.status().message().find("gave 100 bytes where 200 were expected"), std::string::npos)
+      << path.status().message();
+  EXPECT_TRUE(Listing("files").empty());
+  EXPECT_TRUE(Listing("partial").empty());
+}
+
+TEST_F(FileCacheTest, EvictsTheLeastRecentlyUsedFileThatIsNotInUse) {
+  std::vector<CacheItem> items;
+  for (const char* name : {"a", "b", "c", "d"}) items.push_back(Source(name, 1000));
+  auto cache = OpenCache(3000);
+  // a stays in use; b and c are used and let go, b first.
+  ASSERT_TRUE(cache->Acquire(items[0]).ok());
+  for (int i : {1, 2}) {
+    ASSERT_TRUE(cache->Acquire(items[static_cast<size_t>(i)]).ok());
+    cache->Release(items[static_cast<size_t>(i)].name);
+  }
+  ASSERT_TRUE(cache->Acquire(items[3]).ok());
+  // The limit forced evictions down to its low-water mark: b (oldest not in use) and c went,
+  // a (in use, oldest) stayed.
+  EXPECT_EQ(Listing("files"), (std::vector<std::string>{"a", "d"}));
+  EXPECT_EQ(cache->Stats().evicted, 2u);
+}
+
+TEST_F(FileCacheTest, FilesInUseExceedTheLimitRatherThanBeEvicted) {
+  auto cache = OpenCache(1500);
+  CacheItem a = Source("a", 1000), b = Source("b", 1000);
+  ASSERT_TRUE(cache->Acquire(a).ok());
+  ASSERT_TRUE(cache->Acquire(b).ok());
+  EXPECT_EQ(Listing("files"), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(cache->Stats().over_limit, 1u);
+}
+
+TEST_F(FileCacheTest, AFetcherThatDiedLeavesNeitherALockNorAHalfFile) {
+  CacheItem item = Source("crash.bin", 4096, 'c');
+  ASSERT_EQ(::mkdir(cache_dir_.c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((cache_dir_ + "/locks").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((cache_dir_ + "/partial").c_str(), 0755), 0);
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Mid-fetch: the lock held and half the bytes written, then killed.
+    const int lock = ::open((cache_dir_ + "/locks/crash.bin").c_str(), O_RDWR | O_CREAT, 0644);
+    ::flock(lock, LOCK_EX);
+    const int partial = ::open((cache_dir_ + "/partial/crash.bin").c_str(), O_WRONLY | O_CREAT, 0644);
+    const std::string half(2048, 'c');
+    if (::write(partial, half.data(), half.size()) < 0) ::_exit(1);
+    if (::write(ready[1], "r", 1) < 0) ::_exit(1);
+    ::pause();
+    ::_exit(0);
+  }
+  char byte;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  int status;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+
+  auto cache = OpenCache(0);
+  EXPECT_TRUE(Listing("partial").empty());  // swept at open: its lock died with its fetcher
+  auto path = cache->Acquire(item);
+  ASSERT_TRUE(path.ok()) << path.status().message();
+  EXPECT_EQ(Read(*path), std::string(4096, 'c'));
+}
+
+TEST_F(FileCacheTest, ReleasingQueuedFetchesDropsThem) {
+  std::atomic<int> calls{0};
+  std::vector<CacheItem> items;
+  for (int i = 0; i < 50; ++i) items.push_back(Source("q" + std::to_string(i), 10));
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  Fetcher gated = [&](const CacheItem& item, const std::string& partial) {
+    ++calls;
+    opened.wait();  // both threads hold a fetch here while the rest is still queued
+    return CopyLocalFile(item, partial);
+  };
+  auto cache = OpenCache(0, gated);
+  for (const auto& item : items) ASSERT_TRUE(cache->Prefetch(item).ok());
+  cache->ReleaseAll();
+  gate.set_value();
+  auto path = cache->Acquire(items[49]);
+  ASSERT_TRUE(path.ok()) << path.status().message();
+  cache.reset();  // joins the threads
+  EXPECT_LE(calls.load(), 3);  // the two in flight, then the one asked for
+}
+
+TEST_F(FileCacheTest, RejectsNamesThatLeaveTheCacheDirectory) {
+  auto cache = OpenCache(0);
+  auto path = cache->Acquire(CacheItem{"/etc/hostname", "../escape", -1});
+  ASSERT_FALSE(path.ok());
+  EXPECT_EQ(path.status().code(), StatusCode::kInvalid);
+  EXPECT_FALSE(cache->Prefetch(CacheItem{"/etc/hostname", "a/b", -1}).ok());
+}
+
+}  // namespace
+}  // namespace fanrun

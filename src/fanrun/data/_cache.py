@@ -1,0 +1,86 @@
+"""The dataset's side of the native file cache: where it lives, how big it may be, how
+files are named in it, and how remote files are fetched into it."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import tempfile
+
+from .._errors import CacheLimitError
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def default_cache_dir() -> str:
+    """One directory per user and node, shared by runs, so that a second run starts warm."""
+    return os.environ.get("FANRUN_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"fanrun-cache-{os.getuid()}")
+
+
+def parse_byte_size(value: int | str | None) -> int:
+    """'20GB', '512MiB', 1000 (bytes); None or 0: unbounded (returned as 0)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"cache_limit must be a number of bytes or a string such as '20GB', not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"cache_limit must not be negative, not {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"cache_limit {value!r} is not a size such as '20GB', '512MiB' or '1000000'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def cache_name(source: str) -> str:
+    """A file name unique to the source that keeps its base name, so that a transform can
+    still go by the extension."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", source.rstrip("/").rsplit("/", 1)[-1]).lstrip(".")[-80:]
+    return f"{digest}-{base}" if base else digest
+
+
+def check_cache_limit(limit: int, readers: int, files_held: int, largest_file: int, prefetch: int) -> None:
+    needed = readers * files_held * largest_file
+    if limit and limit < needed:
+        raise CacheLimitError(
+            f"cache_limit={limit} bytes is below the {needed} bytes this dataset needs on this node: "
+            f"{readers} reader(s) (local ranks x DataLoader workers) each hold up to {files_held} files "
+            f"(prefetch={prefetch} ahead, plus those in use) of up to {largest_file} bytes. "
+            f"Raise cache_limit to at least {needed}, or lower prefetch."
+        )
+
+
+class FsspecFetch:
+    """Writes one remote file to a local path; called by the cache's native threads, which
+    take the GIL only around this call. Where the listing gave an MD5, the bytes written must
+    have it, or the fetch fails (and is tried again) before the engine moves the file in."""
+
+    def __init__(self, storage_options: dict, checksums: dict[str, str]) -> None:
+        self._storage_options = storage_options
+        self._checksums = checksums
+
+    def __call__(self, source: str, partial_path: str) -> None:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(source, **self._storage_options)
+        try:
+            fs.get_file(path, partial_path)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise OSError(error.errno, f"{error.strerror} writing '{partial_path}': the cache's filesystem is full: "
+                                           "free space there, lower cache_limit, or choose another cache_dir") from error
+            raise
+        expected = self._checksums.get(source)
+        if expected is not None:
+            digest = hashlib.md5(usedforsecurity=False)
+            with open(partial_path, "rb") as file:
+                while chunk := file.read(1 << 20):
+                    digest.update(chunk)
+            if digest.hexdigest() != expected:
+                raise OSError(errno.EIO, f"MD5 {digest.hexdigest()} of the bytes fetched from '{source}' is not the "
+                                         f"{expected} its store lists")

@@ -1,0 +1,175 @@
+"""Listing a dataset's files: local paths, lists of paths, fsspec URLs; once per node per run.
+
+The listing is recursive and sorted. When ranks of one fanrun (or torchrun) run build the same
+dataset, the first to take a flock on the listing's lock file lists the source and writes the
+result atomically (temporary file, then rename) into the cache directory; the others wait on
+that lock and read the file. A lock dies with its process, so a rank that crashed while
+listing leaves nothing held.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from .._errors import DataSourceError
+
+# A listing file older than this belongs to a finished run.
+_STALE_LISTING_S = 24 * 3600
+
+
+class SourceFile(NamedTuple):
+    # A tuple, so that tens of thousands are made and written to JSON quickly.
+    source: str  # absolute local path or full URL
+    size: int  # bytes; -1 where the source does not say
+    local: bool
+    md5: str | None = None  # hex, where the store's listing gives a whole-file MD5
+
+
+def listed_md5(info: dict, protocols: tuple[str, ...]) -> str | None:
+    """The whole-file MD5 a store's listing gives, as hex: GCS's `md5Hash` (base64), or S3's
+    `ETag` when it is one (a multipart upload's ETag holds a '-' and is not). Other stores'
+    ETags (nginx: mtime-size) are not checksums and are not read."""
+    if any(p in ("gs", "gcs") for p in protocols) and isinstance(info.get("md5Hash"), str):
+        return base64.b64decode(info["md5Hash"]).hex()
+    if any(p in ("s3", "s3a") for p in protocols):
+        etag = info.get("ETag") or info.get("etag")
+        if isinstance(etag, str) and re.fullmatch(r"[0-9a-f]{32}", etag.strip('"')):
+            return etag.strip('"')
+    return None
+
+
+def is_url(text: str) -> bool:
+    return "://" in text and not text.startswith("file://")
+
+
+def _local_path(text: str) -> str:
+    return os.path.abspath(text[len("file://") :] if text.startswith("file://") else text)
+
+
+def _matches(relative: str, pattern: str | None) -> bool:
+    return pattern is None or fnmatch.fnmatchcase(relative, pattern)
+
+
+def _list_local(root: str, pattern: str | None) -> list[SourceFile]:
+    path = _local_path(root)
+    if not os.path.exists(path):
+        raise DataSourceError(f"The dataset source '{path}' does not exist")
+    if os.path.isfile(path):
+        if not _matches(os.path.basename(path), pattern):
+            return []
+        return [SourceFile(path, os.path.getsize(path), True)]
+    found = []
+    stack = [path]
+    skip = len(path.rstrip("/")) + 1  # entry paths all start with the root and a '/'
+    while stack:
+        directory = stack.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=True):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=True):
+                    relative = entry.path[skip:]
+                    if _matches(relative, pattern):
+                        found.append(SourceFile(entry.path, entry.stat().st_size, True))
+    return found
+
+
+def _list_remote(url: str, pattern: str | None, storage_options: dict) -> list[SourceFile]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if not fs.exists(root):
+        raise DataSourceError(f"The dataset source '{url}' does not exist")
+    # Directory first: to HTTP's filesystem any URL that answers is a file.
+    if not fs.isdir(root):
+        name = root.rstrip("/").rsplit("/", 1)[-1]
+        if not _matches(name, pattern):
+            return []
+        info = fs.info(root)
+        return [SourceFile(fs.unstrip_protocol(root), _size(info), False, listed_md5(info, protocols))]
+    found = []
+    prefix = root.rstrip("/") + "/"
+    for path, info in fs.find(root, detail=True).items():
+        if info.get("type") == "directory":
+            continue
+        relative = path[len(prefix) :] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
+        if _matches(relative, pattern):
+            found.append(SourceFile(fs.unstrip_protocol(path), _size(info), False, listed_md5(info, protocols)))
+    return found
+
+
+def _size(info: dict) -> int:
+    size = info.get("size")
+    return int(size) if isinstance(size, int) and size >= 0 else -1
+
+
+def list_files(source: str | os.PathLike | Sequence[str | os.PathLike], pattern: str | None, storage_options: dict) -> list[SourceFile]:
+    """Every file of the source that matches `pattern` (fnmatch, on the path relative to the
+    root it was found under), sorted by its full path or URL."""
+    roots = [os.fspath(source)] if isinstance(source, (str, os.PathLike)) else [os.fspath(s) for s in source]
+    if not roots:
+        raise DataSourceError("The dataset source is an empty list of paths")
+    found: dict[str, SourceFile] = {}
+    for root in roots:
+        listed = _list_remote(root, pattern, storage_options) if is_url(root) else _list_local(root, pattern)
+        for file in listed:
+            found[file.source] = file
+    if not found:
+        where = ", ".join(f"'{r}'" for r in roots)
+        what = f"no file matching the pattern '{pattern}'" if pattern is not None else "no file"
+        raise DataSourceError(f"The dataset source {where} holds {what}")
+    return [found[key] for key in sorted(found)]
+
+
+def _run_token() -> str | None:
+    """What all ranks of one run share, and nothing else does."""
+    for name in ("FANRUN_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(name)
+        if value:
+            return f"{name}={value}"
+    return None
+
+
+def shared_listing(
+    source, pattern: str | None, storage_options: dict, cache_dir: str
+) -> list[SourceFile]:
+    """list_files, done by one process of the run on this node and read by the others."""
+    token = _run_token()
+    if token is None:
+        return list_files(source, pattern, storage_options)
+    key = hashlib.sha256(json.dumps([token, repr(source), pattern], sort_keys=True).encode()).hexdigest()[:32]
+    directory = os.path.join(cache_dir, "listings")
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, key + ".json")
+    with open(os.path.join(directory, key + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
+        if os.path.exists(target):
+            with open(target) as file:
+                return [SourceFile(*entry) for entry in json.load(file)]
+        files = list_files(source, pattern, storage_options)
+        temporary = f"{target}.{os.getpid()}.tmp"
+        with open(temporary, "w") as file:
+            file.write(json.dumps(files, separators=(",", ":")))
+        os.replace(temporary, target)
+    _remove_stale_listings(directory)
+    return files
+
+
+def _remove_stale_listings(directory: str) -> None:
+    cutoff = time.time() - _STALE_LISTING_S
+    for entry in os.scandir(directory):
+        try:
+            if entry.stat().st_mtime < cutoff:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass  # another rank removed it first

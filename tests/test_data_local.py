@@ -1,0 +1,266 @@
+"""VolumeDataset over generated local files, in one process with real DataLoader workers:
+bad input, in-place reads, the native cache, faults, resume, and runs sharing a cache."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fanrun import FanrunError
+from fanrun._errors import CacheLimitError, DataFileError, DataSourceError
+from fanrun.data import DataLoader, UCVolumeDataset, VolumeDataset
+
+
+def make_corpus(root: Path, count: int, size: int = 64) -> list[Path]:
+    paths = []
+    for i in range(count):
+        path = root / f"part{i % 3}" / f"sample{i:04d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        label = f"sample {i}\n".encode()
+        path.write_bytes(label + b"x" * max(0, size - len(label)))
+        paths.append(path)
+    return paths
+
+
+def label(path: str) -> str:
+    with open(path, "rb") as file:
+        return file.readline().decode().strip()
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    root = tmp_path / "volume"
+    make_corpus(root, 40)
+    (root / "notes.txt").write_text("not a sample")
+    return root
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_path_empty_directory_and_unmatched_pattern_are_named(tmp_path, corpus):
+    with pytest.raises(DataSourceError, match="does not exist") as missing:
+        VolumeDataset(tmp_path / "nowhere", cache_dir=tmp_path / "cache")
+    assert str(tmp_path / "nowhere") in str(missing.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataSourceError, match="holds no file") as empty:
+        VolumeDataset(tmp_path / "empty", cache_dir=tmp_path / "cache")
+    assert str(tmp_path / "empty") in str(empty.value)
+    with pytest.raises(DataSourceError, match=r"no file matching the pattern '\*\.jpg'") as unmatched:
+        VolumeDataset(corpus, pattern="*.jpg", cache_dir=tmp_path / "cache")
+    assert str(corpus) in str(unmatched.value)
+    assert isinstance(unmatched.value, FileNotFoundError) and isinstance(unmatched.value, FanrunError)
+
+
+def test_bad_options_are_refused_before_any_work(tmp_path, corpus):
+    with pytest.raises(ValueError, match="not a size such as"):
+        VolumeDataset(corpus, cache_dir=tmp_path / "cache", cache_limit="lots")
+    with pytest.raises(ValueError, match="prefetch must be >= 0"):
+        VolumeDataset(corpus, cache_dir=tmp_path / "cache", prefetch=-1)
+    with pytest.raises(TypeError, match="transform must be callable"):
+        VolumeDataset(corpus, cache_dir=tmp_path / "cache", transform="decode")
+    ds = VolumeDataset(corpus, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="persistent_workers=True cannot be used"):
+        DataLoader(ds, batch_size=2, num_workers=1, persistent_workers=True)
+
+
+def test_a_cache_limit_below_what_prefetch_needs_says_the_minimum(tmp_path, corpus):
+    # 64-byte files, 2 prefetched + 1 in use + 1 kept: 4 files for the one reader.
+    with pytest.raises(CacheLimitError, match=r"below the 256 bytes .* at least 256") as error:
+        VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", cache_local=True,
+                      cache_limit=200, prefetch=2, transform=label)
+    assert isinstance(error.value, ValueError)
+    # Two workers are two readers: the workers check again and the loader re-raises it.
+    ds = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", cache_local=True,
+                       cache_limit=300, prefetch=2, transform=label)
+    with pytest.raises(CacheLimitError, match="below the 512 bytes"):
+        list(DataLoader(ds, batch_size=4, num_workers=2))
+
+
+# ---------------------------------------------------------------- reading
+
+
+def test_local_files_are_read_in_place_and_sorted_recursively(tmp_path, corpus):
+    ds = UCVolumeDataset(corpus, pattern="*.bin", shuffle=False, cache_dir=tmp_path / "cache")
+    assert ds.files == sorted(str(p) for p in corpus.rglob("*.bin"))
+    assert list(ds) == ds.files  # the sources themselves: nothing copied
+    assert not any((tmp_path / "cache").rglob("files/*"))
+    ds._prefetcher.drain()  # every file was read ahead through the kernel, none failed
+    assert ds._prefetcher.stats() == {"hinted": 40, "failed": 0}
+
+
+def test_cached_copies_hold_the_same_bytes_and_a_second_reader_finds_them(tmp_path, corpus):
+    ds = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", cache_local=True)
+    paths = list(ds)
+    assert all(p.startswith(str(tmp_path / "cache" / "files")) for p in paths)
+    by_label = {label(p): Path(p).read_bytes() for p in paths}
+    assert by_label == {label(str(p)): p.read_bytes() for p in corpus.rglob("*.bin")}
+    assert ds._cache.stats()["fetched"] == 40
+    again = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", cache_local=True)
+    assert sorted(map(label, again)) == sorted(by_label)
+    assert again._cache.stats() | {"hits": 0} == {**again._cache.stats(), "hits": 0}
+    assert again._cache.stats()["hits"] == 40 and again._cache.stats()["fetched"] == 0
+
+
+def test_the_cache_stays_within_its_limit_by_evicting_files_not_in_use(tmp_path, corpus):
+    ds = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", cache_local=True,
+                       cache_limit=640, prefetch=2, transform=label)
+    assert sorted(ds) == sorted(f"sample {i}" for i in range(40))
+    assert ds._cache.stats()["evicted"] > 0
+    assert sum(p.stat().st_size for p in (tmp_path / "cache" / "files").iterdir()) <= 640
+
+
+def test_a_file_that_disappears_is_retried_then_named_or_skipped_and_counted(tmp_path, corpus):
+    ds = VolumeDataset(corpus, pattern="*.bin", shuffle=False, cache_dir=tmp_path / "cache", retries=1, transform=label)
+    gone = Path(ds.files[5])
+    gone.unlink()
+    with pytest.raises(DataFileError, match="after 2 attempts") as error:
+        list(ds)
+    assert str(gone) in str(error.value)
+
+    skipping = VolumeDataset(corpus, pattern="*.bin", shuffle=False, cache_dir=tmp_path / "cache", retries=1,
+                             transform=label, skip_unreadable=True)
+    Path(skipping.files[6]).unlink()
+    with pytest.warns(UserWarning, match="skips"):
+        samples = list(skipping)
+    # Listed after the first file went: 39 files, one of which went after the listing.
+    assert len(samples) == 38 and skipping.skipped_files == [skipping.files[6]]
+
+    cached = VolumeDataset(corpus, pattern="*.bin", shuffle=False, cache_dir=tmp_path / "cache2", retries=2,
+                           cache_local=True)
+    Path(cached.files[0]).unlink()
+    with pytest.raises(DataFileError, match="3 attempts") as error:
+        list(cached)
+    assert cached.files[0] in str(error.value)
+
+
+def test_a_read_that_fails_once_is_retried(tmp_path, corpus):
+    failed = set()
+
+    def flaky(path: str) -> str:
+        # A mount that answers the first read of each file with EIO.
+        if path not in failed:
+            failed.add(path)
+            raise OSError(5, "Input/output error", path)
+        return label(path)
+
+    ds = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", retries=1, transform=flaky)
+    assert sorted(ds) == sorted(f"sample {i}" for i in range(40))
+
+
+# ---------------------------------------------------------------- resume with workers
+
+
+@pytest.mark.parametrize("workers_before,workers_after", [(2, 1), (0, 2)])
+def test_resume_mid_epoch_gives_exactly_the_rest_with_other_num_workers(tmp_path, corpus, workers_before, workers_after):
+    ds = VolumeDataset(corpus, pattern="*.bin", seed=7, cache_dir=tmp_path / "cache", transform=label)
+    ds.set_epoch(3)
+    loader = DataLoader(ds, batch_size=3, num_workers=workers_before)
+    consumed = []
+    for step, batch in enumerate(loader):
+        consumed += batch
+        if step == 4:
+            state = ds.state_dict()
+            break
+    assert state["offset"] == 15 and state["epoch"] == 3
+
+    resumed = VolumeDataset(corpus, pattern="*.bin", seed=7, cache_dir=tmp_path / "cache", transform=label)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)
+    rest = [s for batch in DataLoader(resumed, batch_size=3, num_workers=workers_after) for s in batch]
+    assert not set(consumed) & set(rest)
+    assert sorted(consumed + rest) == sorted(f"sample {i}" for i in range(40))
+    # The same order the uninterrupted epoch would have had.
+    whole = VolumeDataset(corpus, pattern="*.bin", seed=7, cache_dir=tmp_path / "cache", transform=label)
+    whole.set_epoch(3)
+    assert consumed + rest == list(whole)
+    # Iterated again without set_epoch: the whole epoch 3 again, in the same order.
+    assert list(resumed) == consumed + rest
+    # The epoch done, the next one is whole again and in another order.
+    resumed.set_epoch(4)
+    fourth = list(resumed)
+    assert sorted(fourth) == sorted(consumed + rest) and fourth != consumed + rest
+
+
+def test_without_a_loader_a_loaded_state_resumes_one_pass(tmp_path, corpus):
+    ds = VolumeDataset(corpus, pattern="*.bin", seed=2, cache_dir=tmp_path / "cache", transform=label)
+    whole = list(ds)
+    iterator = iter(ds)
+    head = [next(iterator) for _ in range(10)]
+    state = ds.state_dict()
+    assert head == whole[:10] and state["offset"] == 10
+    ds.load_state_dict(state)
+    assert list(ds) == whole[10:]
+    assert list(ds) == whole  # the resumed pass over, the next is whole
+
+
+def test_a_state_for_other_files_is_refused(tmp_path, corpus):
+    ds = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache")
+    other = VolumeDataset(corpus, pattern="part1/*", cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="num_files: saved 40"):
+        other.load_state_dict(ds.state_dict())
+    with pytest.raises(ValueError, match="Not a VolumeDataset state"):
+        ds.load_state_dict({"epoch": 1})
+
+
+# ---------------------------------------------------------------- processes sharing a cache
+
+READER = textwrap.dedent(
+    """
+    import hashlib, signal, sys, resource
+    from fanrun.data import VolumeDataset
+    source, cache, limit, fsize = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    if fsize:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so that writing past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    ds = VolumeDataset(source, cache_dir=cache, cache_local=True, cache_limit=limit or None, prefetch=4,
+                       transform=lambda p: hashlib.sha256(open(p, "rb").read()).hexdigest())
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        print(" ".join(sorted(ds)), flush=True)
+    """
+)
+
+
+def run_reader(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", READER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_runs_sharing_one_cache_directory_at_once_both_read_correctly(tmp_path):
+    paths = make_corpus(tmp_path / "volume", 60, size=20_000)
+    import hashlib
+
+    expected = " ".join(sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in paths))
+    # A limit that forces eviction while the other run reads.
+    readers = [run_reader(str(tmp_path / "volume"), str(tmp_path / "cache"), "400000", "0") for _ in range(2)]
+    for reader in readers:
+        out, err = reader.communicate(timeout=120)
+        assert reader.returncode == 0, err
+        assert out.splitlines() == [expected, expected]
+    assert not list((tmp_path / "cache" / "partial").iterdir())
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing_corrupt(tmp_path):
+    make_corpus(tmp_path / "volume", 10, size=50_000)
+    reader = run_reader(str(tmp_path / "volume"), str(tmp_path / "cache"), "0", "30000")
+    _, err = reader.communicate(timeout=120)
+    assert reader.returncode != 0
+    assert "File too large" in err and str(tmp_path / "cache") in err and "DataFileError" in err
+    assert "the cache's filesystem is full: free space there" in err
+    assert not list((tmp_path / "cache" / "files").iterdir())  # no half file was ever renamed in
+    # With room again, a new run on the same directory just works.
+    again = run_reader(str(tmp_path / "volume"), str(tmp_path / "cache"), "0", "0")
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err
+    assert len(out.splitlines()) == 2
+
+
+def test_importing_fanrun_does_not_import_torch():
+    code = "import sys, fanrun; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
