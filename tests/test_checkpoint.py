@@ -68,6 +68,19 @@ def ddp_checkpoints(root: str, url_root: str, local_staging: str):
     future.result()
     out["latest_after_2"] = latest_checkpoint(root)
 
+    # A second async save stages into the host buffers the first one wrote from: it must hold
+    # the values of its own call, not the first one's, nor the changes made after it.
+    from fanrun.data._checkpoint_staging import _HOST_BUFFERS
+
+    out["buffers_kept"] = sum(len(kept) for kept in _HOST_BUFFERS._free.values())
+    out["saved2_again"] = weights()
+    future = dcp.async_save(state(2), storage_writer=VolumeWriter(f"{root}-again/step_2"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(100.0)
+    future.result()
+    out["loaded2_again"] = load(f"{root}-again/step_2")
+
     train_step()
     dcp.save(state(3), storage_writer=VolumeWriter(f"{root}/step_3", keep_last=2))
     # Overwriting: the same path again, with other values.
@@ -121,6 +134,8 @@ def test_save_and_load_round_trip_on_every_rank(ddp_run):
 
 
 def test_async_save_keeps_the_state_of_the_call_and_completes(ddp_run):
+    import torch
+
     _, _, _, results = ddp_run
     for out in results:
         weights, momentum, step, _ = out["loaded2"]
@@ -128,6 +143,10 @@ def test_async_save_keeps_the_state_of_the_call_and_completes(ddp_run):
         assert_equal_lists(momentum, out["momentum2"])
         assert step == 2
         assert out["latest_after_2"].endswith("step_2")
+        assert out["buffers_kept"] > 0  # the second save reused the first one's host buffers
+        again, _, _, _ = out["loaded2_again"]
+        assert_equal_lists(again, results[0]["saved2_again"])
+        assert not all(torch.equal(x, y) for x, y in zip(again, results[0]["saved2"]))
 
 
 def test_overwrite_keep_last_and_no_leftovers(ddp_run):

@@ -185,7 +185,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
     # ------------------------------------------------------------ staging (dcp.async_save)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        copies = HostCopies()
+        copies = HostCopies(reuse_host_buffers=True)
         staged = stage_state_dict(state_dict, copies)
         self._staged = copies
         return staged
@@ -201,9 +201,18 @@ class VolumeWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target: layout.RankTarget = plan.storage_data
-        if self._staged is not None:
-            self._staged.ready()
-            self._staged = None
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.ready()
+        try:
+            return self._write_rank_file(plan, planner, target)
+        finally:
+            if staged is not None:
+                staged.written()
+
+    def _write_rank_file(
+        self, plan: SavePlan, planner: SavePlanner, target: layout.RankTarget
+    ) -> Future[list[WriteResult]]:
         # Every item is resolved first, because the file's size is reserved before any write;
         # device tensors are not copied yet.
         entries: list[_Entry] = []
