@@ -7,17 +7,12 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import signal
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from mlflow_server import free_port
+from server_process import free_port, stop_group, wait_answering
 
 START_DEADLINE_S = 30.0
-STOP_GRACE_S = 10.0
 
 CONFIG = """\
 {user}daemon off;
@@ -69,29 +64,10 @@ class NginxServer:
             start_new_session=True,  # its workers are stopped together with it
         )
         try:
-            self._wait_ready()
+            wait_answering(self._process, self.url + "/", "nginx", START_DEADLINE_S, self.log_text)
         except BaseException:
             self.stop()
             raise
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"nginx exited with {self._process.returncode}: {self.log_text()}")
-            try:
-                with urllib.request.urlopen(self.url + "/", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nginx not serving after {START_DEADLINE_S:g} s: {self.log_text()}")
-            # Waiting on the process is the pause between two probes, and ends at once if it dies.
-            try:
-                self._process.wait(0.1)
-            except subprocess.TimeoutExpired:
-                pass
 
     def log_text(self) -> str:
         self._log.flush()
@@ -102,15 +78,5 @@ class NginxServer:
         return text[-3000:]
 
     def stop(self) -> None:
-        """SIGTERM (nginx's fast shutdown) to the group, SIGKILL after a grace period, then reap."""
-        for signo in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self._process.pid, signo)
-            except ProcessLookupError:
-                break
-            try:
-                self._process.wait(STOP_GRACE_S)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(self._process)  # SIGTERM is nginx's fast shutdown
         self._log.close()

@@ -15,7 +15,8 @@ import uuid
 
 import pytest
 from gpus import needs_gpus
-from mlflow_server import MlflowServer, free_port
+from mlflow_server import MlflowServer
+from server_process import free_port
 
 import fanrun
 from fanrun import distributed
