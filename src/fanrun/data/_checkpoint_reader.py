@@ -20,7 +20,7 @@ from torch.futures import Future
 from .. import _core
 from . import _checkpoint_layout as layout
 from . import _checkpoint_storage as storage
-from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, HOST_BATCH_FACTOR, _label
+from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, HOST_BATCH_FACTOR, _label, check_io_options
 
 
 class VolumeReader(StorageReader):
@@ -39,10 +39,7 @@ class VolumeReader(StorageReader):
         chunk_bytes: int = _core.CHECKPOINT_CHUNK_BYTES,
     ) -> None:
         super().__init__()
-        if not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        check_io_options(thread_count, chunk_bytes)
         self.thread_count = thread_count
         self.chunk_bytes = chunk_bytes
         self.local_staging_dir = os.fspath(local_staging_dir) if local_staging_dir else tempfile.gettempdir()
@@ -52,7 +49,7 @@ class VolumeReader(StorageReader):
     def _set_path(self, path: str | os.PathLike) -> None:
         path = os.fspath(path)
         self.remote = storage.is_url(path)
-        self.path = path.rstrip("/") if self.remote else os.path.abspath(path)
+        self.path = storage.target_path(path)
         self.record = storage.read_record(self.path)
         self.load_id = uuid.uuid4().hex
 

@@ -27,6 +27,11 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def target_path(path: str) -> str:
+    """How a checkpoint's path is kept: a URL without a trailing slash, a local path absolute."""
+    return path.rstrip("/") if is_url(path) else os.path.abspath(path)
+
+
 class LocalStorage:
     """A local or mounted filesystem."""
 

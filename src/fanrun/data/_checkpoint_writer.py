@@ -35,6 +35,14 @@ BATCH_BYTES = 256 << 20
 HOST_BATCH_FACTOR = 16
 
 
+def check_io_options(thread_count: int, chunk_bytes: int) -> None:
+    """The engine options VolumeWriter and VolumeReader share, checked before any I/O."""
+    if not isinstance(thread_count, int) or thread_count < 1:
+        raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+
+
 class VolumeWriter(StorageWriter, AsyncStager):
     """Saves a ``torch.distributed.checkpoint`` checkpoint to ``path``, a local or mounted
     directory or an fsspec URL.
@@ -62,12 +70,9 @@ class VolumeWriter(StorageWriter, AsyncStager):
         chunk_bytes: int = _core.CHECKPOINT_CHUNK_BYTES,
     ) -> None:
         super().__init__()
-        if not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
+        check_io_options(thread_count, chunk_bytes)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or a positive int, got {keep_last!r}")
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self.thread_count = thread_count
         self.keep_last = keep_last
         self.overwrite = overwrite
@@ -86,7 +91,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
         if not path:
             raise ValueError("VolumeWriter needs a checkpoint path, got an empty one")
         self.remote = storage.is_url(path)
-        self.path = path.rstrip("/") if self.remote else os.path.abspath(path)
+        self.path = storage.target_path(path)
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank = 0
