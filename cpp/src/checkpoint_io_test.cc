@@ -9,11 +9,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <numeric>
 #include <random>
 
 #include "fanrun/checkpoint_crc32c.h"
+#include "test_util_internal.h"
 
 namespace fanrun {
 namespace {
@@ -21,9 +21,8 @@ namespace {
 class CheckpointIoTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char pattern[] = "/tmp/fanrun-ckpt-io-XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern), nullptr);
-    dir_ = pattern;
+    dir_ = testing::MakeTempDir("fanrun-ckpt-io");
+    ASSERT_FALSE(dir_.empty());
     std::mt19937 random(3);
     // Sizes that cross chunk boundaries, an empty item, and one of a single byte.
     for (size_t size : {size_t{100000}, size_t{0}, size_t{1}, size_t{65536}, size_t{300001}}) {
@@ -32,7 +31,7 @@ class CheckpointIoTest : public ::testing::Test {
       data_.push_back(std::move(bytes));
     }
   }
-  void TearDown() override { ASSERT_EQ(std::system(("rm -rf '" + dir_ + "'").c_str()), 0); }
+  void TearDown() override { ASSERT_TRUE(testing::RemoveTree(dir_)); }
 
   std::vector<WriteItem> Items() const {
     std::vector<WriteItem> items;

@@ -5,9 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <fstream>
 #include <sstream>
+
+#include "test_util_internal.h"
 
 namespace fanrun {
 namespace {
@@ -15,11 +16,10 @@ namespace {
 class PublishTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char pattern[] = "/tmp/fanrun-publish-XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern), nullptr);
-    root_ = pattern;
+    root_ = testing::MakeTempDir("fanrun-publish");
+    ASSERT_FALSE(root_.empty());
   }
-  void TearDown() override { ASSERT_EQ(std::system(("rm -rf '" + root_ + "'").c_str()), 0); }
+  void TearDown() override { ASSERT_TRUE(testing::RemoveTree(root_)); }
 
   std::string MakeCheckpoint(const std::string& name, const std::string& content) {
     const std::string dir = root_ + "/" + name;

@@ -5,7 +5,6 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <stdlib.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -17,20 +16,21 @@
 #include <sstream>
 #include <thread>
 
+#include "test_util_internal.h"
+
 namespace fanrun {
 namespace {
 
 class FileCacheTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char pattern[] = "/tmp/fanrun-cache-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern), nullptr);
-    root_ = pattern;
+    root_ = testing::MakeTempDir("fanrun-cache-test");
+    ASSERT_FALSE(root_.empty());
     source_dir_ = root_ + "/source";
     cache_dir_ = root_ + "/cache";
     ASSERT_EQ(::mkdir(source_dir_.c_str(), 0755), 0);
   }
-  void TearDown() override { ASSERT_EQ(std::system(("rm -rf '" + root_ + "'").c_str()), 0); }
+  void TearDown() override { ASSERT_TRUE(testing::RemoveTree(root_)); }
 
   CacheItem Source(const std::string& name, size_t size, char fill = 'x') {
     const std::string path = source_dir_ + "/" + name;

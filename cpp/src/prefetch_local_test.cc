@@ -2,7 +2,6 @@
 #include "fanrun/prefetch_local.h"
 
 #include <gtest/gtest.h>
-#include <stdlib.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -10,13 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "test_util_internal.h"
+
 namespace fanrun {
 namespace {
 
 TEST(LocalPrefetcherTest, HintsEveryFileAndCountsTheMissing) {
-  char pattern[] = "/tmp/fanrun-prefetch-test-XXXXXX";
-  ASSERT_NE(::mkdtemp(pattern), nullptr);
-  const std::string dir = pattern;
+  const std::string dir = testing::MakeTempDir("fanrun-prefetch-test");
+  ASSERT_FALSE(dir.empty());
   LocalPrefetcher prefetcher(3);
   std::vector<std::string> paths;
   for (int i = 0; i < 20; ++i) {
@@ -28,7 +28,7 @@ TEST(LocalPrefetcherTest, HintsEveryFileAndCountsTheMissing) {
   prefetcher.Drain();
   EXPECT_EQ(prefetcher.hinted(), 20u);
   EXPECT_EQ(prefetcher.failed(), 1u);
-  ASSERT_EQ(std::system(("rm -rf '" + dir + "'").c_str()), 0);
+  ASSERT_TRUE(testing::RemoveTree(dir));
 }
 
 TEST(LocalPrefetcherTest, DestroyingWithHintsQueuedDropsThemAndJoins) {

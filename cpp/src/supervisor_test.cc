@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -23,11 +22,10 @@ using testing::ShellCommand;
 class SupervisorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char pattern[] = "/tmp/fanrun-supervisor-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern), nullptr);
-    dir_ = pattern;
+    dir_ = testing::MakeTempDir("fanrun-supervisor-test");
+    ASSERT_FALSE(dir_.empty());
   }
-  void TearDown() override { std::system(("rm -rf " + dir_).c_str()); }
+  void TearDown() override { ASSERT_TRUE(testing::RemoveTree(dir_)); }
 
   SupervisorOptions Options(const std::vector<std::string>& scripts) {
     SupervisorOptions options;

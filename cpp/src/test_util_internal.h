@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,15 @@ namespace fanrun::testing {
 inline std::vector<std::string> ShellCommand(const std::string& script) { return {"/bin/sh", "-c", script}; }
 
 inline std::vector<std::string> MinimalEnv() { return {"PATH=/usr/bin:/bin", "LC_ALL=C"}; }
+
+// A fresh directory /tmp/<prefix>-XXXXXX for one test; "" if it could not be made.
+inline std::string MakeTempDir(const std::string& prefix) {
+  std::string pattern = "/tmp/" + prefix + "-XXXXXX";
+  return ::mkdtemp(pattern.data()) != nullptr ? pattern : std::string();
+}
+
+// Removes a test's directory and everything in it; true when that worked.
+inline bool RemoveTree(const std::string& path) { return std::system(("rm -rf '" + path + "'").c_str()) == 0; }
 
 // True once `pid` has exited (or never existed), waiting at most `timeout_ms`.
 inline bool ProcessGoneWithin(pid_t pid, int timeout_ms) {
