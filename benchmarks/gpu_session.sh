@@ -50,7 +50,7 @@ for part in $parts; do
     throughput) step throughput 300 python3 benchmarks/throughput.py --steps 100 --repeat 3 --kinds ${KINDS:-ddp fsdp} ;;
     # The launcher alone: MLflow tracking, on by default, is measured in benchmarks/tracking.py.
     launch) FANRUN_TRACKING=0 step launch 300 python3 benchmarks/launch.py --ranks ${RANKS:-1 2} --repeat ${REPEAT:-3} ${LAUNCH_ARGS:-} ;;
-    tracking) step tracking 300 python3 benchmarks/tracking.py ${TRACKING_ARGS:-} ;;
+    tracking) step tracking ${TRACKING_LIMIT:-300} python3 benchmarks/tracking.py ${TRACKING_ARGS:-} ;;
     checkpoint-tests) pytest_step checkpoint_tests 300 tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_checkpoint_fsdp.py ;;
     # The state dict on the GPUs, written to the machine's local disk.
     checkpoint)

@@ -17,8 +17,8 @@ from pathlib import Path
 # (label, tracking, log every step, MLFLOW_ENABLE_ASYNC_LOGGING); None leaves fanrun's default.
 MODES = (
     ("off: tracking=False, no logging", False, False, None),
-    ("on: log_metric every step (fanrun's default, async)", True, True, None),
-    ("on: log_metric every step, synchronous", True, True, "false"),
+    ("on: log_metric every step (fanrun's default)", True, True, None),
+    ("on: log_metric every step, MLFLOW_ENABLE_ASYNC_LOGGING=true", True, True, "true"),
 )
 
 
@@ -72,7 +72,8 @@ def train(steps: int, warmup: int, log: bool, gpu: bool) -> dict:
     dist.barrier()
     elapsed = time.perf_counter() - start
     dist.destroy_process_group()
-    return {"rank": rank, "steps_per_s": steps / elapsed, "run_id": os.environ.get("MLFLOW_RUN_ID")}
+    run_id = mlflow.active_run().info.run_id if log else None
+    return {"rank": rank, "steps_per_s": steps / elapsed, "run_id": run_id}
 
 
 @contextlib.contextmanager

@@ -189,6 +189,54 @@ def test_every_rank_logs_to_the_call_run_on_a_server(server_store, server, capsy
     assert not [line for line in out.splitlines() if line.startswith("[rank") and "View run" in line]
 
 
+@distributed(num_accelerators=2)
+def log_every_way():
+    """Each way a function logs metrics: they travel through the caller, and must all arrive."""
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    run_id = mlflow.active_run().info.run_id
+    mlflow.log_metrics({"accuracy": 0.5 + rank, "lr": 0.1}, step=1)
+    mlflow.MlflowClient().log_metric(run_id, "client_metric", 3.0 + rank, step=2)
+    # A DataLoader worker forked from the rank ends with os._exit: its values go at once.
+    child = os.fork()
+    if child == 0:
+        try:
+            mlflow.log_metric("from_forked_worker", 7.0 + rank, step=3)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    # A run of the function's own goes straight to the store, and its values land there.
+    with mlflow.start_run(nested=True, run_name=f"inner-{rank}") as inner:
+        mlflow.log_metric("inner_metric", 5.0 + rank, step=4)
+    try:
+        mlflow.log_metric("bad name!*", 1.0)
+        bad_name_error = None
+    except mlflow.exceptions.MlflowException as error:
+        bad_name_error = str(error)
+    return inner.info.run_id, bad_name_error
+
+
+def test_every_way_of_logging_reaches_its_run(sqlite_store):
+    client, experiment_id = sqlite_store
+    results = log_every_way.distributed()
+    outer = [r for r in client.search_runs([experiment_id]) if r.info.run_name.startswith("log_every_way-")]
+    assert len(outer) == 1, [(r.info.run_name, r.info.lifecycle_stage) for r in client.search_runs([experiment_id])]
+    run_id = outer[0].info.run_id
+    assert history(client, run_id, "accuracy") == [(1, 0.5), (1, 1.5)]
+    assert history(client, run_id, "lr") == [(1, 0.1), (1, 0.1)]
+    assert history(client, run_id, "client_metric") == [(2, 3.0), (2, 4.0)]
+    assert history(client, run_id, "from_forked_worker") == [(3, 7.0), (3, 8.0)]
+    assert "inner_metric" not in client.get_run(run_id).data.metrics
+    for rank, (inner_id, bad_name_error) in enumerate(results):
+        assert history(client, inner_id, "inner_metric") == [(4, 5.0 + rank)]
+        assert client.get_run(inner_id).data.tags["mlflow.parentRunId"] == run_id
+        # A bad name fails in the rank's own call, as it would without fanrun.
+        assert bad_name_error is not None and "bad name!*" in bad_name_error
+
+
 def test_without_configuration_the_local_default_store_is_used(tmp_path, capsys):
     @distributed(num_accelerators=2)
     def log_one():

@@ -24,6 +24,7 @@ from typing import Any
 
 from ._accelerators import Plan
 from ._errors import RunTimeoutError
+from ._metric_relay import MetricRelay
 from ._paths import RunPaths
 from ._system_metrics import SystemMetricsSampler, sampling_interval
 
@@ -32,8 +33,6 @@ PROBE_TIMEOUT_S = 3.0
 # Bounds on the caller's own MLflow calls: a stalled server costs this much, never a hang.
 START_DEADLINE_S = 20.0
 FINISH_DEADLINE_S = 60.0
-# Seconds a rank's MLflow logging thread gathers values before sending them as one batch.
-ASYNC_BUFFER_S = 1
 # How long the end of a run waits for a system-metrics sample still in flight.
 SAMPLER_JOIN_S = 5.0
 # MLflow refuses longer tag values (5000 characters on some stores).
@@ -93,6 +92,9 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
         yield call
         return
     call.rank_env = rank_environment(run)
+    relay = _start_relay(run)
+    if relay is not None:
+        call.rank_env["FANRUN_METRICS_SOCKET"] = relay.path
     _announce(run)
     sampler = SystemMetricsSampler(
         _metrics_logger(run), gpu_indices, sampling_interval(), first_step=run.first_system_step
@@ -101,9 +103,9 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
     try:
         yield call
     except BaseException as error:
-        _finish(run, sampler, call.paths, plan.world_size, error)
+        _finish(run, sampler, relay, call.paths, plan.world_size, error)
         raise
-    _finish(run, sampler, call.paths, plan.world_size, None)
+    _finish(run, sampler, relay, call.paths, plan.world_size, None)
 
 
 def rank_environment(run: _Run) -> dict[str, str]:
@@ -120,12 +122,10 @@ def rank_environment(run: _Run) -> dict[str, str]:
         "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
     }
     # Each default below is the user's to override. Logging every step must not slow the
-    # loop: docs/benchmarks.md has the figures.
+    # loop (docs/benchmarks.md has the figures): the run's metrics go through the caller
+    # (_metric_relay.py), and MLflow's synchronous path, which costs a rank less per call
+    # than its asynchronous one, stays the default.
     defaults = {
-        # log_metric queues the value and returns; a thread of the rank sends it.
-        "MLFLOW_ENABLE_ASYNC_LOGGING": "true",
-        # That thread sends what a second brought as one batch, not one request per value.
-        "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS": str(ASYNC_BUFFER_S),
         # The caller's registry URI, as MLflow's own set_registry_uri passes it on: without it,
         # every log_metric call in a rank tries to import pyspark to look for one.
         "MLFLOW_REGISTRY_URI": run.registry_uri,
@@ -278,6 +278,28 @@ def _next_system_step(client, run_id: str) -> int:
     return max((m.step for m in history), default=-1) + 1
 
 
+def _start_relay(run: _Run) -> MetricRelay | None:
+    """The caller's end of the ranks' metric sockets; None (the ranks then write to the store
+    themselves, more slowly) where no socket can be made."""
+    from mlflow.entities import Metric
+
+    def write(records: list[tuple]) -> None:
+        metrics = []
+        for key, value, timestamp, step, model_id, dataset_name, dataset_digest in records:
+            # Only what was set: older MLflow versions know neither models nor datasets here.
+            extra = {name: v for name, v in (("model_id", model_id), ("dataset_name", dataset_name), ("dataset_digest", dataset_digest)) if v is not None}
+            metrics.append(Metric(key, value, timestamp, step, **extra))
+        run.client.log_batch(run.run_id, metrics=metrics)
+
+    try:
+        relay = MetricRelay(write)
+    except OSError as error:
+        print(f"fanrun: each rank writes its metrics to the tracking store itself ({_describe(error)})", file=sys.stderr, flush=True)
+        return None
+    relay.start()
+    return relay
+
+
 def _metrics_logger(run: _Run) -> Callable[[dict[str, float], int], None]:
     from mlflow.entities import Metric
 
@@ -290,9 +312,19 @@ def _metrics_logger(run: _Run) -> Callable[[dict[str, float], int], None]:
     return log
 
 
-def _finish(run: _Run, sampler: SystemMetricsSampler, paths: RunPaths | None, world_size: int, error: BaseException | None) -> None:
+def _finish(
+    run: _Run, sampler: SystemMetricsSampler, relay: MetricRelay | None, paths: RunPaths | None, world_size: int, error: BaseException | None
+) -> None:
     status, tags = outcome(error)
     final_sample = sampler.sample if sampler.stop(SAMPLER_JOIN_S) else None
+    # Every rank has ended: the last values they logged go on the run before it is closed.
+    if relay is not None:
+        if not relay.stop(FINISH_DEADLINE_S):
+            _warn(f"fanrun: the tracking store {masked(run.tracking_uri)} did not take the ranks' last metrics "
+                  f"within {FINISH_DEADLINE_S:g} s; the run is closed without them.")
+        elif relay.error is not None:
+            _warn(f"fanrun: {relay.dropped} metric values logged by the ranks could not be written to the MLflow run "
+                  f"{run.run_name} ({_describe(relay.error)}); the call's outcome is unchanged.")
     try:
         _within(FINISH_DEADLINE_S, _close_run, run, final_sample, paths, world_size, status, tags)
     except Exception as failure:

@@ -1,0 +1,70 @@
+"""MetricSender: a rank's end of its metric socket to the caller (the caller's end is
+_metric_relay.py). Values gather in the rank for up to one buffering interval, as MLflow's
+own asynchronous logging does, and go as one message: a logging call costs an append, and the
+caller is woken about once a second per rank, not once per value.
+
+Run as a file, like the worker: standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+import time
+
+# One message carries at most this many values, so that it fits a socket's buffer whatever
+# the names (MLflow allows 250 characters).
+VALUES_PER_MESSAGE = 256
+
+
+class MetricSender:
+    def __init__(self, path: str, interval_s: float) -> None:
+        self._channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._channel.connect(path)
+        self._interval_s = interval_s
+        self._start_buffer()
+        os.register_at_fork(after_in_child=self._in_forked_child)
+
+    def _in_forked_child(self) -> None:
+        # A DataLoader worker forked from the rank has neither the thread nor a usable lock, and
+        # ends with os._exit, which runs no exit handler: it sends each value at once, on the
+        # shared socket, whose messages arrive whole whoever sends them.
+        self._interval_s = 0.0
+        self._start_buffer()
+
+    def _start_buffer(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[tuple] = []
+        self._has_records = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, records: list[tuple]) -> None:
+        with self._lock:
+            self._records.extend(records)
+            full = len(self._records) >= VALUES_PER_MESSAGE or self._interval_s <= 0
+            if self._thread is None and not full:
+                self._thread = threading.Thread(target=self._send_periodically, name="fanrun-metric-sender", daemon=True)
+                self._thread.start()
+        if full:
+            self.flush()
+        else:
+            self._has_records.set()
+
+    def flush(self) -> None:
+        """Sends what has gathered; at the rank's exit, before its threads stop."""
+        with self._lock:
+            records, self._records = self._records, []
+            self._has_records.clear()
+        for start in range(0, len(records), VALUES_PER_MESSAGE):
+            self._channel.send(pickle.dumps(records[start : start + VALUES_PER_MESSAGE], pickle.HIGHEST_PROTOCOL))
+
+    def _send_periodically(self) -> None:
+        while True:
+            self._has_records.wait()  # a first value since the last send
+            time.sleep(self._interval_s)  # the values of one interval gather
+            try:
+                self.flush()
+            except OSError:
+                return  # the caller is gone: the run is over

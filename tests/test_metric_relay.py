@@ -1,0 +1,144 @@
+"""The ranks' metrics travel to the caller over real sockets: MetricSender in the rank,
+MetricRelay in the caller, which writes them to the store in batches."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fanrun import _metric_relay
+from fanrun._metric_relay import MetricRelay
+
+SENDER = Path(_metric_relay.__file__).with_name("_rank_metric_sender.py")
+MetricSender = runpy.run_path(str(SENDER))["MetricSender"]
+
+
+def record(key: str, value: float, step: int) -> tuple:
+    return (key, value, 1_700_000_000_000 + step, step, None, None, None)
+
+
+class Store:
+    """What the relay writes to: the batches, in order."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple]] = []
+
+    def write(self, batch: list[tuple]) -> None:
+        self.batches.append(list(batch))
+
+    def values(self) -> list[tuple]:
+        return sorted(r for batch in self.batches for r in batch)
+
+
+@pytest.fixture
+def relay_and_store():
+    store = Store()
+    relay = MetricRelay(store.write)
+    relay.start()
+    yield relay, store
+    relay.stop(5.0)
+
+
+def test_values_of_every_sender_are_written_once_in_few_batches(relay_and_store):
+    relay, store = relay_and_store
+    senders = [MetricSender(relay.path, interval_s=0.2) for _ in range(3)]
+    expected = []
+    for step in range(300):
+        for index, sender in enumerate(senders):
+            sender.add([record(f"loss_{index}", step * 0.5, step)])
+            expected.append(record(f"loss_{index}", step * 0.5, step))
+    for sender in senders:
+        sender.flush()
+    assert relay.stop(5.0)
+    assert store.values() == sorted(expected)
+    assert relay.written == 900 and relay.dropped == 0 and relay.error is None
+    # 900 values from three senders buffering, then the caller's own interval: a handful of writes.
+    assert len(store.batches) <= 10, [len(b) for b in store.batches]
+    assert not os.path.exists(relay.path)
+
+
+def test_values_wait_no_longer_than_the_two_intervals(relay_and_store, monkeypatch):
+    relay, store = relay_and_store
+    sender = MetricSender(relay.path, interval_s=0.1)
+    started = time.monotonic()
+    sender.add([record("loss", 1.0, 0)])
+    while not store.batches and time.monotonic() - started < 10:
+        time.sleep(0.02)
+    waited = time.monotonic() - started
+    assert store.values() == [record("loss", 1.0, 0)]
+    assert waited < 0.1 + _metric_relay.WRITE_INTERVAL_S + 2.0, waited
+
+
+def test_a_forked_child_sends_each_value_at_once_on_the_shared_socket(relay_and_store):
+    relay, store = relay_and_store
+    sender = MetricSender(relay.path, interval_s=60.0)  # the parent's values wait for flush()
+    sender.add([record("parent", 1.0, 0)])
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker: ends with os._exit, no exit handler runs
+        try:
+            for step in range(50):
+                sender.add([record("child", 2.0, step)])
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    sender.flush()
+    assert relay.stop(5.0)
+    assert store.values() == sorted([record("parent", 1.0, 0)] + [record("child", 2.0, s) for s in range(50)])
+
+
+def test_a_failing_store_drops_the_rest_and_says_why():
+    written = []
+
+    def write(batch):
+        if written:
+            raise ConnectionError("store went away")
+        written.extend(batch)
+
+    relay = MetricRelay(write)
+    relay.start()
+    sender = MetricSender(relay.path, interval_s=0.0)
+    sender.add([record("loss", 1.0, 0)])
+    while not written:
+        time.sleep(0.02)
+    for step in range(1, 6):
+        sender.add([record("loss", 1.0, step)])
+    assert relay.stop(5.0)
+    assert relay.written == 1 and relay.dropped == 5
+    assert isinstance(relay.error, ConnectionError)
+
+
+def test_a_store_that_hangs_costs_the_timeout_not_a_hang():
+    release = threading.Event()
+    relay = MetricRelay(lambda batch: release.wait(30))
+    relay.start()
+    MetricSender(relay.path, interval_s=0.0).add([record("loss", 1.0, 0)])
+    time.sleep(0.2)  # the relay is now inside the store's write
+    started = time.monotonic()
+    assert not relay.stop(0.5)
+    assert time.monotonic() - started < 3
+    release.set()
+
+
+def test_a_process_left_holding_a_socket_does_not_delay_the_end(relay_and_store):
+    relay, store = relay_and_store
+    sender = MetricSender(relay.path, interval_s=0.0)
+    sender.add([record("loss", 1.0, 0)])
+    pid = os.fork()
+    if pid == 0:  # a grandchild of a rank that outlives it, holding the socket open
+        time.sleep(60)
+        os._exit(0)
+    try:
+        started = time.monotonic()
+        assert relay.stop(5.0)
+        assert time.monotonic() - started < 3
+        assert store.values() == [record("loss", 1.0, 0)]
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
