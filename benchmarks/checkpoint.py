@@ -258,7 +258,7 @@ def run_case(size_gb: float, ranks: int, device: str, base: str, repeat: int, as
     directory = tempfile.mkdtemp(prefix=f"ckpt-{size_gb}g-{ranks}r-", dir=base)
     try:
         try:
-            distributed(num_accelerators=ranks)(rank_main).distributed(
+            distributed(num_accelerators=ranks, accelerator_type="GPU" if device == "cuda" else "CPU")(rank_main).distributed(
                 directory, int(size_gb * 1e9), device, repeat, async_timeout_s
             )
         except Exception as error:

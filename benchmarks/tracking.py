@@ -14,15 +14,17 @@ from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
-# (label, tracking, log every step, MLFLOW_ENABLE_ASYNC_LOGGING); None leaves fanrun's default.
-MODES = (
-    ("off: tracking=False, no logging", False, False, None),
-    ("on: log_metric every step (fanrun's default)", True, True, None),
-    ("on: log_metric every step, MLFLOW_ENABLE_ASYNC_LOGGING=true", True, True, "true"),
-)
+# name: (label, tracking, logging: "no", "import" (mlflow imported, nothing logged) or
+# "every step", MLFLOW_ENABLE_ASYNC_LOGGING); None leaves fanrun's default.
+MODES = {
+    "off": ("off: tracking=False, no logging", False, "no", None),
+    "import": ("on: mlflow imported in the ranks, nothing logged", True, "import", None),
+    "default": ("on: log_metric every step (fanrun's default)", True, "every step", None),
+    "async": ("on: log_metric every step, MLFLOW_ENABLE_ASYNC_LOGGING=true", True, "every step", "true"),
+}
 
 
-def train(steps: int, warmup: int, log: bool, gpu: bool) -> dict:
+def train(steps: int, warmup: int, logging: str, gpu: bool) -> dict:
     """One rank: an MLP trained with DDP, steps/s timed over the loop alone. On the CPU a small
     one over gloo (steps of a few ms: the worst case); on a GPU the model of
     benchmarks/throughput.py over NCCL (steps of tens of ms, as in real training)."""
@@ -33,7 +35,8 @@ def train(steps: int, warmup: int, log: bool, gpu: bool) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    if log:
+    log = logging == "every step"
+    if logging != "no":
         import mlflow
     if gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -94,7 +97,7 @@ def environment(**values: str | None) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def measure(ranks: int, steps: int, warmup: int, tracking: bool, log: bool, async_logging: str | None, gpu: bool) -> tuple[float, int | None]:
+def measure(ranks: int, steps: int, warmup: int, tracking: bool, logging: str, async_logging: str | None, gpu: bool) -> tuple[float, int | None]:
     """Steps/s of the slowest rank, and how many loss points reached the run (None untracked)."""
     from fanrun import distributed
 
@@ -102,9 +105,9 @@ def measure(ranks: int, steps: int, warmup: int, tracking: bool, log: bool, asyn
     with environment(MLFLOW_ENABLE_ASYNC_LOGGING=async_logging), contextlib.redirect_stdout(sys.stderr):
         # Without --gpu, CPU processes with gloo on any machine, GPUs or not.
         launch = distributed(num_accelerators=ranks, accelerator_type=None if gpu else "CPU", tracking=tracking)
-        results = launch(train).distributed(steps, warmup, log, gpu)
+        results = launch(train).distributed(steps, warmup, logging, gpu)
     points = None
-    if tracking:
+    if tracking and logging == "every step":
         import mlflow
 
         run_id = results[0]["run_id"]
@@ -144,7 +147,10 @@ def main() -> int:
     parser.add_argument("--gpu", action="store_true", help="train on the GPUs with NCCL (--ranks: at most the GPUs)")
     parser.add_argument("--tracking-uri", default=None,
                         help="where runs go (default: a sqlite store in a temporary folder, MLflow's local default)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="which modes to run ('off' is always run: the others are measured against it)")
     options = parser.parse_args()
+    modes = [MODES[name] for name in MODES if name == "off" or name in options.modes]
 
     with tempfile.TemporaryDirectory(prefix="fanrun-tracking-bench-") as scratch:
         uri = options.tracking_uri or f"sqlite:///{scratch}/mlflow.db"
@@ -154,24 +160,24 @@ def main() -> int:
             where = "NCCL, GPUs" if options.gpu else "gloo, CPU"
             print(f"{options.ranks} ranks ({where}), {options.steps} timed steps after {options.warmup}, "
                   f"{options.repeats} repeats, tracking store {uri.split('://')[0]}", flush=True)
-            rates: dict[str, list[float]] = {label: [] for label, *_ in MODES}
+            rates: dict[str, list[float]] = {label: [] for label, *_ in modes}
             points: dict[str, int | None] = {}
             # One call of each mode per round: drift in the machine's load spreads over all modes.
             for round_index in range(options.repeats + 1):
-                for label, tracking, log, async_logging in MODES:
-                    rate, logged = measure(options.ranks, options.steps, options.warmup, tracking, log, async_logging, options.gpu)
+                for label, tracking, logging, async_logging in modes:
+                    rate, logged = measure(options.ranks, options.steps, options.warmup, tracking, logging, async_logging, options.gpu)
                     if round_index == 0:
                         continue  # the first round warms caches and creates the store: not counted
                     rates[label].append(rate)
                     points[label] = logged
                     print(f"  round {round_index}: {label}: {rate:.1f} steps/s", file=sys.stderr, flush=True)
 
-    baseline = statistics.median(rates[MODES[0][0]])
+    baseline = statistics.median(rates[MODES["off"][0]])
     expected = options.ranks * (options.steps + options.warmup)
     print()
     print(f"| mode | steps/s (median of {options.repeats}) | min - max | vs off | loss points on the run |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for label, *_ in MODES:
+    for label, *_ in modes:
         median = statistics.median(rates[label])
         logged = points[label]
         shown = "-" if logged is None else f"{logged} of {expected}"
