@@ -99,6 +99,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         os.makedirs(self.cache_dir, exist_ok=True)
         self._files: list[SourceFile] = shared_listing(source, pattern, self.storage_options, self.cache_dir)
         self._cached = [self._is_cached(f) for f in self._files]
+        remote = next((f.source for f in self._files if not f.local), None)
+        if remote is not None:
+            _import_filesystem(remote)
         self.skipped_files: list[str] = []
         self._epoch = 0
         self._next_offset = 0  # where the next pass of this epoch starts
@@ -325,6 +328,16 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         state["_cache"] = state["_prefetcher"] = None  # native threads do not travel; each process makes its own
         state["_cache_pid"] = state["_prefetcher_pid"] = -1
         return state
+
+
+def _import_filesystem(url: str) -> None:
+    """Imports the fsspec filesystem of `url` (aiohttp, for HTTP) here, once: DataLoader workers
+    forked from this process then start with it, instead of each importing it on its first
+    fetch, which took most of the time to the first batch."""
+    import fsspec
+
+    protocol, _ = fsspec.core.split_protocol(url)
+    fsspec.get_filesystem_class(protocol)
 
 
 _SKIPPED = object()

@@ -99,12 +99,16 @@ def _list_remote(url: str, pattern: str | None, storage_options: dict) -> list[S
         return [SourceFile(fs.unstrip_protocol(root), _size(info), False, listed_md5(info, protocols))]
     found = []
     prefix = root.rstrip("/") + "/"
+    # Per-file work stays small: a bucket or a web server lists tens of thousands of files.
+    has_checksums = any(p in ("gs", "gcs", "s3", "s3a") for p in protocols)
+    full_urls = any(p in ("http", "https") for p in protocols)  # HTTP's paths are whole URLs already
     for path, info in fs.find(root, detail=True).items():
         if info.get("type") == "directory":
             continue
         relative = path[len(prefix) :] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
         if _matches(relative, pattern):
-            found.append(SourceFile(fs.unstrip_protocol(path), _size(info), False, listed_md5(info, protocols)))
+            url = path if full_urls and "://" in path else fs.unstrip_protocol(path)
+            found.append(SourceFile(url, _size(info), False, listed_md5(info, protocols) if has_checksums else None))
     return found
 
 
