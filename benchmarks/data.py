@@ -363,17 +363,21 @@ def usable(methods: list[str]) -> tuple[list[str], list[str]]:
     """The methods this machine can run, and why the others cannot."""
     from nginx_server import nginx_binary
 
+    import torch
+
+    # Without the pin, pip may replace the installed torch to match a newer torchvision.
+    install = f"pip install '.[bench]' torch=={torch.__version__.split('+')[0]}"
     reasons = {}
     if nginx_binary() is None:
         reasons["http"] = "nginx is not installed (Debian's nginx-light; `make test-python` installs it)"
     try:
         import webdataset  # noqa: F401
     except ImportError as error:
-        reasons["webdataset"] = f"webdataset cannot be imported ({error}); pip install '.[bench]'"
+        reasons["webdataset"] = f"webdataset cannot be imported ({error}); {install}"
     try:
         import_streaming()
     except Exception as error:
-        reasons["streaming"] = f"MosaicML streaming cannot be imported ({type(error).__name__}: {error}); pip install '.[bench]'"
+        reasons["streaming"] = f"MosaicML streaming cannot be imported ({type(error).__name__}: {error}); {install}"
     kept, skipped = [], []
     for name in methods:
         why = next((reason for key, reason in reasons.items() if key in name), None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import runpy
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -142,3 +143,12 @@ def test_a_process_left_holding_a_socket_does_not_delay_the_end(relay_and_store)
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_a_temporary_folder_too_deep_for_a_socket_is_refused_and_left_clean(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(OSError, match="longer than 107 bytes"):
+        MetricRelay(lambda batch: None)
+    assert list(deep.iterdir()) == []  # the caller's tracking then lets each rank write to the store

@@ -41,12 +41,16 @@ class MetricRelay:
         self._write = write
         self._folder = tempfile.mkdtemp(prefix="fanrun-metrics-")  # mode 0700: only our user connects
         self.path = os.path.join(self._folder, "socket")
-        if len(self.path.encode()) > _MAX_SOCKET_PATH:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            raise OSError(f"the socket path {self.path} is longer than {_MAX_SOCKET_PATH} bytes (TMPDIR is too deep)")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind(self.path)
-        self._listener.listen(64)
+        try:
+            if len(self.path.encode()) > _MAX_SOCKET_PATH:
+                raise OSError(f"the socket path {self.path} is longer than {_MAX_SOCKET_PATH} bytes (TMPDIR is too deep)")
+            self._listener.bind(self.path)
+            self._listener.listen(64)
+        except OSError:
+            self._listener.close()
+            shutil.rmtree(self._folder, ignore_errors=True)
+            raise
         self._listener.setblocking(False)
         self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
         self._buffer = bytearray(MAX_MESSAGE)

@@ -55,16 +55,20 @@ def _local_path(text: str) -> str:
     return os.path.abspath(text[len("file://") :] if text.startswith("file://") else text)
 
 
-def _matches(relative: str, pattern: str | None) -> bool:
-    return pattern is None or fnmatch.fnmatchcase(relative, pattern)
+def _matcher(pattern: str | None):
+    """fnmatchcase for one pattern, compiled once: listings hold tens of thousands of files."""
+    if pattern is None:
+        return lambda relative: True
+    return re.compile(fnmatch.translate(pattern)).match
 
 
 def _list_local(root: str, pattern: str | None) -> list[SourceFile]:
     path = _local_path(root)
     if not os.path.exists(path):
         raise DataSourceError(f"The dataset source '{path}' does not exist")
+    matches = _matcher(pattern)
     if os.path.isfile(path):
-        if not _matches(os.path.basename(path), pattern):
+        if not matches(os.path.basename(path)):
             return []
         return [SourceFile(path, os.path.getsize(path), True)]
     found = []
@@ -78,7 +82,7 @@ def _list_local(root: str, pattern: str | None) -> list[SourceFile]:
                     stack.append(entry.path)
                 elif entry.is_file(follow_symlinks=True):
                     relative = entry.path[skip:]
-                    if _matches(relative, pattern):
+                    if matches(relative):
                         found.append(SourceFile(entry.path, entry.stat().st_size, True))
     return found
 
@@ -87,13 +91,14 @@ def _list_remote(url: str, pattern: str | None, storage_options: dict) -> list[S
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    matches = _matcher(pattern)
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if not fs.exists(root):
         raise DataSourceError(f"The dataset source '{url}' does not exist")
     # Directory first: to HTTP's filesystem any URL that answers is a file.
     if not fs.isdir(root):
         name = root.rstrip("/").rsplit("/", 1)[-1]
-        if not _matches(name, pattern):
+        if not matches(name):
             return []
         info = fs.info(root)
         return [SourceFile(fs.unstrip_protocol(root), _size(info), False, listed_md5(info, protocols))]
@@ -106,7 +111,7 @@ def _list_remote(url: str, pattern: str | None, storage_options: dict) -> list[S
         if info.get("type") == "directory":
             continue
         relative = path[len(prefix) :] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
-        if _matches(relative, pattern):
+        if matches(relative):
             url = path if full_urls and "://" in path else fs.unstrip_protocol(path)
             found.append(SourceFile(url, _size(info), False, listed_md5(info, protocols) if has_checksums else None))
     return found
@@ -159,7 +164,7 @@ def shared_listing(
         fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
         if os.path.exists(target):
             with open(target) as file:
-                return [SourceFile(*entry) for entry in json.load(file)]
+                return list(map(SourceFile._make, json.load(file)))
         files = list_files(source, pattern, storage_options)
         temporary = f"{target}.{os.getpid()}.tmp"
         with open(temporary, "w") as file:
