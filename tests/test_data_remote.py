@@ -84,6 +84,17 @@ def test_a_file_gone_from_the_server_is_retried_then_named(served, tmp_path):
     finally:
         victim.write_bytes(data)
     assert f"{server.url}/shard1/item029.bin" in str(error.value)
+    assert "HTTP 404 Not Found" in str(error.value)  # nginx's answer, as the engine's HTTP client reports it
+
+    # With storage options (headers, here), fsspec fetches, as the options are its to apply.
+    through_fsspec = VolumeDataset(server.url + "/shard1/", cache_dir=tmp_path / "cache-fsspec", retries=0,
+                                   transform=first_line, storage_options={"headers": {"X-Fanrun-Test": "1"}})
+    victim.unlink()
+    try:
+        with pytest.raises(DataFileError, match="1 attempts") as error:
+            list(through_fsspec)
+    finally:
+        victim.write_bytes(data)
     assert "FileNotFoundError" in str(error.value)  # nginx's 404, as fsspec reports it
 
     skipping = VolumeDataset(server.url + "/shard1/", cache_dir=tmp_path / "cache", retries=0,

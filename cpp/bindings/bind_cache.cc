@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "fanrun/file_cache.h"
+#include "fanrun/http_fetch.h"
 #include "fanrun/prefetch_local.h"
 #include "status_to_python.h"
 
@@ -21,7 +22,7 @@ namespace {
 // released, or a thread waiting for the GIL would never finish.
 class PyFileCache {
  public:
-  PyFileCache(const std::string& dir, uint64_t limit_bytes, int threads, int attempts, nb::object fetch)
+  PyFileCache(const std::string& dir, uint64_t limit_bytes, int threads, int attempts, nb::object fetch, bool native_http)
       : fetch_(std::move(fetch)), owner_pid_(::getpid()) {
     CacheOptions options;
     options.dir = dir;
@@ -31,7 +32,15 @@ class PyFileCache {
     Fetcher fetcher = CopyLocalFile;
     if (!fetch_.is_none()) {
       PyObject* callable = fetch_.ptr();  // kept alive by fetch_ for as long as the threads run
-      fetcher = [callable](const CacheItem& item, const std::string& partial) -> Status {
+      // http:// sources are fetched by the engine itself, without the GIL; what it leaves
+      // (https, redirects, chunked bodies) and every other source goes to the callable.
+      std::shared_ptr<HttpFetcher> http = native_http ? std::make_shared<HttpFetcher>() : nullptr;
+      fetcher = [callable, http](const CacheItem& item, const std::string& partial) -> Status {
+        if (http != nullptr) {
+          bool fall_back = false;
+          Status fetched = http->Fetch(item, partial, &fall_back);
+          if (!fall_back) return fetched;
+        }
         if (!nb::is_alive()) return Status::Invalid("The interpreter is shutting down");
         nb::gil_scoped_acquire gil;
         try {
@@ -126,8 +135,8 @@ void BindCache(nb::module_& m) {
         return out;
       });
   nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable())
-      .def(nb::init<const std::string&, uint64_t, int, int, nb::object>(), nb::arg("dir"), nb::arg("limit_bytes"),
-           nb::arg("threads"), nb::arg("attempts"), nb::arg("fetch").none())
+      .def(nb::init<const std::string&, uint64_t, int, int, nb::object, bool>(), nb::arg("dir"), nb::arg("limit_bytes"),
+           nb::arg("threads"), nb::arg("attempts"), nb::arg("fetch").none(), nb::arg("native_http") = false)
       .def(
           "prefetch",
           [](PyFileCache& self, const std::string& source, const std::string& name, int64_t size) {

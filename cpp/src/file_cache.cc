@@ -40,8 +40,9 @@ Status ValidateName(const std::string& name) {
   return Status::OK();
 }
 
-// A write that failed because the cache's filesystem is full says what to do about it.
-Status WriteFailed(int err, const std::string& what) {
+}  // namespace
+
+Status CacheWriteError(int err, const std::string& what) {
   Status status = Status::IOErrorFromErrno(err, what);
   if (err == ENOSPC || err == EFBIG || err == EDQUOT) {
     return Status(status.code(), status.message() +
@@ -50,8 +51,6 @@ Status WriteFailed(int err, const std::string& what) {
   }
   return status;
 }
-
-}  // namespace
 
 Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
   FANRUN_ASSIGN_OR_RETURN(FileDescriptor in, OpenFile(item.source, O_RDONLY));
@@ -67,7 +66,7 @@ Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return WriteFailed(errno, internal::StrCat("Failed to copy '", item.source, "' to '", partial_path, "'"));
+      if (n < 0) return CacheWriteError(errno, internal::StrCat("Failed to copy '", item.source, "' to '", partial_path, "'"));
       if (n == 0) break;
       continue;
     }
@@ -79,7 +78,7 @@ Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
     while (done < n) {
       const ssize_t w = ::write(out.fd(), buffer + done, static_cast<size_t>(n - done));
       if (w < 0 && errno == EINTR) continue;
-      if (w < 0) return WriteFailed(errno, internal::StrCat("Failed to write '", partial_path, "'"));
+      if (w < 0) return CacheWriteError(errno, internal::StrCat("Failed to write '", partial_path, "'"));
       done += w;
     }
   }

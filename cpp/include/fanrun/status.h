@@ -67,6 +67,10 @@ class [[nodiscard]] Status {
   static Status DataLoss(Args&&... args) {
     return Status(StatusCode::kDataLoss, internal::StrCat(args...));
   }
+  template <typename... Args>
+  static Status IOError(Args&&... args) {
+    return Status(StatusCode::kIOError, internal::StrCat(args...));
+  }
   // Call with the errno captured right where the failure happened.
   template <typename... Args>
   static Status IOErrorFromErrno(int errnum, Args&&... args) {

@@ -55,6 +55,15 @@ def check_cache_limit(limit: int, readers: int, files_held: int, largest_file: i
         )
 
 
+def native_http_allowed(storage_options: dict) -> bool:
+    """Whether the engine may fetch http:// sources itself. Not when fsspec has a say the engine
+    would ignore: storage options (headers, authentication, client settings), or a proxy in
+    the environment (what aiohttp's trust_env would follow)."""
+    if storage_options:
+        return False
+    return not any(os.environ.get(name) for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"))
+
+
 class FsspecFetch:
     """Writes one remote file to a local path; called by the cache's native threads, which
     take the GIL only around this call. Where the listing gave an MD5, the bytes written must

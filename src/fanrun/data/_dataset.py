@@ -17,7 +17,7 @@ import torch.utils.data
 from .. import _core
 from .._errors import DataFileError, FanrunError
 from . import _split
-from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, parse_byte_size)
+from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, native_http_allowed, parse_byte_size)
 from ._dataset_source import SourceFile, shared_listing
 
 _STATE_VERSION = 1
@@ -252,7 +252,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
             remote = any(cached and not f.local for f, cached in zip(self._files, self._cached))
             checksums = {f.source: f.md5 for f in self._files if f.md5 is not None}
             fetch = FsspecFetch(self.storage_options, checksums) if remote else None
-            self._cache = _core.FileCache(self.cache_dir, self.cache_limit, self.cache_threads, self.retries + 1, fetch)
+            self._cache = _core.FileCache(self.cache_dir, self.cache_limit, self.cache_threads, self.retries + 1, fetch,
+                                          native_http=remote and native_http_allowed(self.storage_options))
             self._cache_pid = os.getpid()
             atexit.register(_close_cache, weakref.ref(self._cache))
         return self._cache
