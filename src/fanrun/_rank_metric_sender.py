@@ -12,7 +12,6 @@ import os
 import pickle
 import socket
 import threading
-import time
 
 # One message carries at most this many values, so that it fits a socket's buffer whatever
 # the names (MLflow allows 250 characters).
@@ -38,6 +37,7 @@ class MetricSender:
         self._lock = threading.Lock()
         self._records: list[tuple] = []
         self._has_records = threading.Event()
+        self._closing = threading.Event()
         self._thread: threading.Thread | None = None
 
     def add(self, records: list[tuple]) -> None:
@@ -52,8 +52,19 @@ class MetricSender:
         else:
             self._has_records.set()
 
+    def close(self) -> None:
+        """At the rank's exit, before its threads are stopped: ends the sending thread and sends
+        the rest. A daemon thread still running when the interpreter finalizes is cut off
+        with pthread_exit as it wakes, which has aborted processes that had loaded C++ code
+        (torch): "terminate called without an active exception"."""
+        self._closing.set()
+        self._has_records.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
+
     def flush(self) -> None:
-        """Sends what has gathered; at the rank's exit, before its threads stop."""
+        """Sends what has gathered."""
         with self._lock:
             records, self._records = self._records, []
             self._has_records.clear()
@@ -63,7 +74,9 @@ class MetricSender:
     def _send_periodically(self) -> None:
         while True:
             self._has_records.wait()  # a first value since the last send
-            time.sleep(self._interval_s)  # the values of one interval gather
+            # The values of one interval gather; close() cuts the wait short.
+            if self._closing.wait(self._interval_s):
+                return
             try:
                 self.flush()
             except OSError:

@@ -101,7 +101,7 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, relay_path: str) -> None:
     sender_class = runpy.run_path(os.path.join(os.path.dirname(__file__), "_rank_metric_sender.py"))["MetricSender"]
     buffer_s = float(os.environ.get("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS") or DEFAULT_BUFFER_S)
     sender = sender_class(relay_path, buffer_s)
-    _before_thread_shutdown(sender.flush)
+    _before_thread_shutdown(sender.close)
 
     def send(records: list[tuple]) -> None:
         """records: (key, value, timestamp, step, model_id, dataset_name, dataset_digest)."""
