@@ -40,8 +40,7 @@ Status ValidateName(const std::string& name) {
   return Status::OK();
 }
 
-}  // namespace
-
+// A write that failed because the cache's filesystem is full says what to do about it.
 Status CacheWriteError(int err, const std::string& what) {
   Status status = Status::IOErrorFromErrno(err, what);
   if (err == ENOSPC || err == EFBIG || err == EDQUOT) {
@@ -50,6 +49,18 @@ Status CacheWriteError(int err, const std::string& what) {
                                      "or choose another cache_dir");
   }
   return status;
+}
+
+}  // namespace
+
+Status WriteToCacheFile(int fd, const char* data, size_t size, const std::string& partial_path) {
+  for (size_t done = 0; done < size;) {
+    const ssize_t n = ::write(fd, data + done, size - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return CacheWriteError(errno, internal::StrCat("Failed to write '", partial_path, "'"));
+    done += static_cast<size_t>(n);
+  }
+  return Status::OK();
 }
 
 Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
@@ -74,13 +85,7 @@ Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Status::IOErrorFromErrno(errno, "Failed to read '", item.source, "'");
     if (n == 0) break;
-    ssize_t done = 0;
-    while (done < n) {
-      const ssize_t w = ::write(out.fd(), buffer + done, static_cast<size_t>(n - done));
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0) return CacheWriteError(errno, internal::StrCat("Failed to write '", partial_path, "'"));
-      done += w;
-    }
+    FANRUN_RETURN_NOT_OK(WriteToCacheFile(out.fd(), buffer, static_cast<size_t>(n), partial_path));
   }
   return out.Close();
 }

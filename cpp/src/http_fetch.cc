@@ -233,13 +233,7 @@ struct HttpFetcher::Exchange {
     auto take = [&](const char* data, size_t size) -> Status {
       const size_t used = static_cast<size_t>(std::min<uint64_t>(size, remaining));
       remaining -= used;
-      for (size_t done = 0; out.valid() && done < used;) {
-        const ssize_t n = ::write(out.fd(), data + done, used - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) return CacheWriteError(errno, "Failed to write '" + partial_path + "'");
-        done += static_cast<size_t>(n);
-      }
-      return Status::OK();
+      return out.valid() ? WriteToCacheFile(out.fd(), data, used, partial_path) : Status::OK();
     };
     FANRUN_RETURN_NOT_OK(take(body.data(), body.size()));
     while (remaining > 0) {

@@ -50,8 +50,8 @@ using Fetcher = std::function<Status(const CacheItem& item, const std::string& p
 // Copies a local file: for sources on a slow mount that should be read from local disk.
 Status CopyLocalFile(const CacheItem& item, const std::string& partial_path);
 
-// A fetcher's failed write into the cache, with what to do when its filesystem is full.
-Status CacheWriteError(int err, const std::string& what);
+// Writes all of data to a fetcher's partial file; a full filesystem's error says what to do.
+Status WriteToCacheFile(int fd, const char* data, size_t size, const std::string& partial_path);
 
 struct CacheStats {
   uint64_t hits = 0;           // found complete in the cache
