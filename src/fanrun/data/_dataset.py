@@ -99,8 +99,10 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         os.makedirs(self.cache_dir, exist_ok=True)
         self._files: list[SourceFile] = shared_listing(source, pattern, self.storage_options, self.cache_dir)
         self._cached = [self._is_cached(f) for f in self._files]
+        self._native_http = native_http_allowed(self.storage_options)
         remote = next((f.source for f in self._files if not f.local), None)
-        if remote is not None:
+        # The engine fetches http:// itself: only other sources need fsspec in the workers.
+        if remote is not None and not (self._native_http and remote.startswith("http://")):
             _import_filesystem(remote)
         self.skipped_files: list[str] = []
         self._epoch = 0
@@ -253,7 +255,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
             checksums = {f.source: f.md5 for f in self._files if f.md5 is not None}
             fetch = FsspecFetch(self.storage_options, checksums) if remote else None
             self._cache = _core.FileCache(self.cache_dir, self.cache_limit, self.cache_threads, self.retries + 1, fetch,
-                                          native_http=remote and native_http_allowed(self.storage_options))
+                                          native_http=remote and self._native_http)
             self._cache_pid = os.getpid()
             atexit.register(_close_cache, weakref.ref(self._cache))
         return self._cache
