@@ -5,10 +5,12 @@ lists one), found again warm, and a file that vanishes from the server named aft
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -72,39 +74,37 @@ def test_a_small_cache_limit_evicts_and_still_serves_every_file(served, tmp_path
     assert sum(p.stat().st_size for p in (tmp_path / "cache" / "files").iterdir()) <= 200_000
 
 
+@contextlib.contextmanager
+def removed(path: Path) -> Iterator[None]:
+    """The file is gone from the server while the block runs, and back afterwards."""
+    data = path.read_bytes()
+    path.unlink()
+    try:
+        yield
+    finally:
+        path.write_bytes(data)
+
+
 def test_a_file_gone_from_the_server_is_retried_then_named(served, tmp_path):
     server, root, _ = served
     victim = root / "shard1" / "item029.bin"
-    data = victim.read_bytes()
     ds = VolumeDataset(server.url + "/shard1/", cache_dir=tmp_path / "cache", retries=2, transform=first_line)
-    victim.unlink()
-    try:
-        with pytest.raises(DataFileError, match="3 attempts") as error:
-            list(ds)
-    finally:
-        victim.write_bytes(data)
+    with removed(victim), pytest.raises(DataFileError, match="3 attempts") as error:
+        list(ds)
     assert f"{server.url}/shard1/item029.bin" in str(error.value)
     assert "HTTP 404 Not Found" in str(error.value)  # nginx's answer, as the engine's HTTP client reports it
 
     # With storage options (headers, here), fsspec fetches, as the options are its to apply.
     through_fsspec = VolumeDataset(server.url + "/shard1/", cache_dir=tmp_path / "cache-fsspec", retries=0,
                                    transform=first_line, storage_options={"headers": {"X-Fanrun-Test": "1"}})
-    victim.unlink()
-    try:
-        with pytest.raises(DataFileError, match="1 attempts") as error:
-            list(through_fsspec)
-    finally:
-        victim.write_bytes(data)
+    with removed(victim), pytest.raises(DataFileError, match="1 attempts") as error:
+        list(through_fsspec)
     assert "FileNotFoundError" in str(error.value)  # nginx's 404, as fsspec reports it
 
     skipping = VolumeDataset(server.url + "/shard1/", cache_dir=tmp_path / "cache", retries=0,
                              skip_unreadable=True, transform=first_line)
-    victim.unlink()
-    try:
-        with pytest.warns(UserWarning, match="item029.bin"):
-            samples = list(skipping)
-    finally:
-        victim.write_bytes(data)
+    with removed(victim), pytest.warns(UserWarning, match="item029.bin"):
+        samples = list(skipping)
     assert len(samples) == 14 and skipping.skipped_files == [f"{server.url}/shard1/item029.bin"]
 
 

@@ -94,9 +94,8 @@ class MetricRelay:
                     # The ranks have ended: what they sent is in the buffers, and nothing more comes
                     # (a process they left behind still holding a socket is not waited for).
                     self._accept(selector)
-                    for key in list(selector.get_map().values()):
-                        if isinstance(key.fileobj, socket.socket) and key.fileobj is not self._listener:
-                            self._receive(selector, key.fileobj, pending)
+                    for connection in self._connections(selector):
+                        self._receive(selector, connection, pending)
                     self._store(pending)
                     return
                 if pending and due is None:
@@ -105,13 +104,17 @@ class MetricRelay:
                     self._store(pending)
                     pending, due = [], None
         finally:
-            for key in list(selector.get_map().values()):
-                if isinstance(key.fileobj, socket.socket) and key.fileobj is not self._listener:
-                    key.fileobj.close()
+            for connection in self._connections(selector):
+                connection.close()
             selector.close()
             self._listener.close()
             os.close(self._wake_read)
             shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _connections(self, selector: selectors.BaseSelector) -> list[socket.socket]:
+        """The ranks' sockets the selector watches (a list: the caller may unregister them)."""
+        return [key.fileobj for key in selector.get_map().values()
+                if isinstance(key.fileobj, socket.socket) and key.fileobj is not self._listener]
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         while True:
