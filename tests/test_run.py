@@ -178,3 +178,42 @@ def test_results_files_are_private_and_removed(runs_dir):
 
 def test_version_is_exposed():
     assert fanrun.__version__
+
+
+def test_a_rank_ends_after_its_exit_work_without_the_interpreters_teardown(tmp_path):
+    """A destructor that aborts while the interpreter is torn down (native ones in ranks of
+    torch.distributed jobs have, after the function had returned) must not fail a call that
+    returned; the exit work Python does before the teardown must still be done."""
+
+    @distributed(num_accelerators=2)
+    def returns_then_exits(out_dir):
+        import atexit
+        import builtins
+        import os
+        import threading
+        import time
+
+        rank = os.environ["RANK"]
+
+        class AbortsWhenDestroyed:
+            def __del__(self, abort=os.abort):
+                abort()
+
+        builtins.fanrun_test_object = AbortsWhenDestroyed()  # destroyed in the teardown only
+        atexit.register(lambda: open(f"{out_dir}/atexit_{rank}", "w").close())
+        # Left open, its buffered text is written only when it is flushed at exit.
+        builtins.fanrun_test_file = open(f"{out_dir}/unclosed_{rank}", "w")
+        builtins.fanrun_test_file.write("buffered")
+
+        def late_writer():
+            time.sleep(0.5)
+            open(f"{out_dir}/thread_{rank}", "w").close()
+
+        threading.Thread(target=late_writer).start()  # not a daemon: Python waits for it
+        return rank
+
+    assert returns_then_exits.distributed(str(tmp_path)) == ["0", "1"]
+    for rank in (0, 1):
+        assert (tmp_path / f"atexit_{rank}").exists()
+        assert (tmp_path / f"thread_{rank}").exists()
+        assert (tmp_path / f"unclosed_{rank}").read_text() == "buffered"

@@ -7,6 +7,7 @@ library: a rank's start-up time is the user's imports and nothing more.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import pickle
@@ -22,6 +23,10 @@ STACK_DUMP_SIGNAL = signal.SIGUSR2
 # The one-line message on the control descriptor that says "my error is written, I am failing".
 _FAILED = b"failed\n"
 
+# The status the rank exits with: 0 once its result is written, the error's code once its
+# error is; 1 if the worker itself fails before either.
+_exit_status = 1
+
 
 def bootstrap_code() -> str:
     """The -c program of a rank: runs this file and hands over to its main()."""
@@ -29,6 +34,9 @@ def bootstrap_code() -> str:
 
 
 def main() -> None:
+    global _exit_status
+    # Registered first, so that it runs last, after every handler the function registers.
+    atexit.register(_exit_before_teardown)
     faulthandler.enable(all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
     control_fd = os.environ.get("FANRUN_CONTROL_FD")
@@ -47,6 +55,35 @@ def main() -> None:
         _run_function(run_dir, rank)
     else:
         _run_program(mode, sys.argv[2], sys.argv[3:], run_dir, rank)
+    _exit_status = 0
+
+
+def _exit_before_teardown() -> None:
+    """The rank's last exit handler. By now Python has joined the non-daemon threads and run
+    the other exit handlers; what is left is the interpreter's teardown, which destroys the
+    remaining objects, native ones included. Some of those abort the process there (ranks
+    of torch.distributed jobs have, with "terminate called without an active exception"),
+    which would turn a rank that returned its result into a failed one. So the rank ends here instead, once
+    what the teardown would have written is written."""
+    import gc
+    import io
+
+    writers = (io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair, io.TextIOWrapper)
+    for obj in gc.get_objects():
+        # A file left open is flushed when the teardown destroys it: flushed here instead.
+        if isinstance(obj, writers):
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except Exception:
+                pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # what native code printed through C's stdio
+    except Exception:
+        pass
+    os._exit(_exit_status)
 
 
 def _run_function(run_dir: Path, rank: int) -> None:
@@ -118,7 +155,8 @@ def _result_pickler_class():
 
 
 def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type: str = "") -> None:
-    """Writes the error envelope, tells the engine at once, and exits with status 1."""
+    """Writes the error envelope, tells the engine at once, and exits with the error's status (1, or sys.exit's code)."""
+    global _exit_status
     envelope = {
         "kind": kind,  # "exception", "exit" (sys.exit with a code), "result" (unpicklable return)
         "rank": rank,
@@ -150,7 +188,8 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
         except OSError:
             pass
     code = envelope["exit_code"] if isinstance(envelope["exit_code"], int) else 1
-    sys.exit(code or 1)
+    _exit_status = code or 1
+    sys.exit(_exit_status)
 
 
 def _skip_worker_frames(tb):
