@@ -65,6 +65,25 @@ def test_remote_files_are_fetched_once_into_the_cache_and_found_warm(served, tmp
     assert warm._cache.stats()["hits"] == 30 and warm._cache.stats()["fetched"] == 0
 
 
+def test_listing_leaves_no_client_session_for_a_forked_worker_to_close(served, tmp_path):
+    """fsspec closes an HTTP filesystem's session from a finalizer, through its event-loop
+    thread. Run in a DataLoader worker forked from the lister, which has no such thread,
+    that finalizer waited 1 s before the worker's first batch."""
+    import gc
+    import weakref
+
+    def session_closers() -> list:
+        return [f for f in gc.get_objects() if type(f) is weakref.finalize and f.alive
+                and getattr(f.peek()[1], "__name__", "") == "close_session"]
+
+    before = len(session_closers())
+    for options in ({}, {"client_kwargs": {}}):  # the engine's client, then fsspec's
+        ds = VolumeDataset(server_url := served[0].url + "/", pattern="shard*/*.bin",
+                           cache_dir=tmp_path / "cache", storage_options=options)
+        assert len(ds.files) == 30, server_url
+        assert len(session_closers()) == before
+
+
 def test_a_small_cache_limit_evicts_and_still_serves_every_file(served, tmp_path):
     server, _, contents = served
     ds = VolumeDataset(server.url + "/shard0/", cache_dir=tmp_path / "cache", cache_limit="200KB", prefetch=2,

@@ -129,9 +129,12 @@ void BindCache(nb::module_& m) {
              prefetcher.Drain();
            })
       .def("stats", [](PyLocalPrefetcher& self) {
+        const LocalPrefetcher::Counts counts = self.prefetcher().counts();
         nb::dict out;
-        out["hinted"] = self.prefetcher().hinted();
-        out["failed"] = self.prefetcher().failed();
+        out["hinted"] = counts.hinted;
+        out["resident"] = counts.resident;
+        out["skipped"] = counts.skipped;
+        out["failed"] = counts.failed;
         return out;
       });
   nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable())

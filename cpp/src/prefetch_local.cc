@@ -1,7 +1,9 @@
-// LocalPrefetcher: a queue of paths and threads that pass them to posix_fadvise.
+// LocalPrefetcher: a queue of paths and threads that pass those not yet cached to posix_fadvise.
 #include "fanrun/prefetch_local.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 
 #include <utility>
 
@@ -23,10 +25,34 @@ LocalPrefetcher::~LocalPrefetcher() {
   for (auto& thread : threads_) thread.join();
 }
 
+namespace {
+
+// Whether the file's last byte is in the page cache: read with RWF_NOWAIT, which fails with
+// EAGAIN instead of going to the disk. Readers read files from the start, so a cached last
+// byte means the whole file was read. Any other failure (a filesystem without RWF_NOWAIT)
+// counts as not cached, so the hint is still given.
+bool LastByteCached(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_size == 0) return false;
+  char byte;
+  struct iovec iov {&byte, 1};
+  return ::preadv2(fd, &iov, 1, st.st_size - 1, RWF_NOWAIT) == 1;
+}
+
+}  // namespace
+
 void LocalPrefetcher::Hint(std::vector<std::string> paths) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& path : paths) queue_.push_back(std::move(path));
+    const size_t queued = queue_.size();
+    for (auto& path : paths) {
+      if (resident_streak_ >= kResidentStreak && since_probe_++ % kProbeEvery != 0) {
+        ++counts_.skipped;
+        continue;
+      }
+      queue_.push_back(std::move(path));
+    }
+    if (queue_.size() == queued) return;
   }
   work_ready_.notify_one();
 }
@@ -36,14 +62,9 @@ void LocalPrefetcher::Drain() {
   idle_.wait(lock, [this] { return queue_.empty() && busy_ == 0; });
 }
 
-uint64_t LocalPrefetcher::hinted() const {
+LocalPrefetcher::Counts LocalPrefetcher::counts() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return hinted_;
-}
-
-uint64_t LocalPrefetcher::failed() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return failed_;
+  return counts_;
 }
 
 void LocalPrefetcher::Run() {
@@ -55,12 +76,25 @@ void LocalPrefetcher::Run() {
     queue_.pop_front();
     ++busy_;
     lock.unlock();
-    bool ok = false;
+    enum { kFailed, kResident, kHinted } outcome = kFailed;
     Result<FileDescriptor> file = OpenFile(path, O_RDONLY);
-    if (file.ok()) ok = ::posix_fadvise(file->fd(), 0, 0, POSIX_FADV_WILLNEED) == 0;
+    if (file.ok()) {
+      if (LastByteCached(file->fd())) {
+        outcome = kResident;
+      } else if (::posix_fadvise(file->fd(), 0, 0, POSIX_FADV_WILLNEED) == 0) {
+        outcome = kHinted;
+      }
+    }
     lock.lock();
     --busy_;
-    ++(ok ? hinted_ : failed_);
+    if (outcome == kResident) {
+      ++counts_.resident;
+      ++resident_streak_;
+    } else {
+      ++(outcome == kHinted ? counts_.hinted : counts_.failed);
+      resident_streak_ = 0;
+      since_probe_ = 0;
+    }
     if (queue_.empty() && busy_ == 0) idle_.notify_all();
   }
 }

@@ -1,9 +1,13 @@
-// Tests of the local prefetcher: hints reach the kernel, failures are counted, nothing hangs.
+// Tests of the local prefetcher: hints reach the kernel for files not cached, cached files
+// are probed now and then, failures are counted, nothing hangs.
 #include "fanrun/prefetch_local.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -14,20 +18,80 @@
 namespace fanrun {
 namespace {
 
-TEST(LocalPrefetcherTest, HintsEveryFileAndCountsTheMissing) {
-  const std::string dir = testing::MakeTempDir("fanrun-prefetch-test");
-  ASSERT_FALSE(dir.empty());
-  LocalPrefetcher prefetcher(3);
+// Writes `count` files of 10 KB under dir.
+std::vector<std::string> WriteFiles(const std::string& dir, const std::string& prefix, int count) {
   std::vector<std::string> paths;
-  for (int i = 0; i < 20; ++i) {
-    paths.push_back(dir + "/f" + std::to_string(i));
+  for (int i = 0; i < count; ++i) {
+    paths.push_back(dir + "/" + prefix + std::to_string(i));
     std::ofstream(paths.back()) << std::string(10000, 'p');
   }
+  return paths;
+}
+
+// Drops the files from the page cache, as the data benchmark does for its cold runs; false
+// where that is not possible (a tmpfs keeps them). mincore() checks, without reading.
+bool DropFromPageCache(const std::vector<std::string>& paths) {
+  for (const std::string& path : paths) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    if (fd < 0) return false;
+    ::fsync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    void* map = ::mmap(nullptr, 10000, PROT_READ, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (map == MAP_FAILED) return false;
+    unsigned char pages[3] = {};
+    const bool cached = ::mincore(map, 10000, pages) != 0 || ((pages[0] | pages[1] | pages[2]) & 1) != 0;
+    ::munmap(map, 10000);
+    if (cached) return false;
+  }
+  return true;
+}
+
+// Hints the paths four at a time, as a reader does, letting each group finish first.
+void HintInGroups(LocalPrefetcher& prefetcher, const std::vector<std::string>& paths) {
+  for (auto group = paths.begin(); group != paths.end();) {
+    const auto end = group + std::min<std::ptrdiff_t>(4, paths.end() - group);
+    prefetcher.Hint(std::vector<std::string>(group, end));
+    prefetcher.Drain();
+    group = end;
+  }
+}
+
+TEST(LocalPrefetcherTest, FilesNotCachedAreReadAheadAndMissingOnesCounted) {
+  const std::string dir = testing::MakeTempDir("fanrun-prefetch-test");
+  ASSERT_FALSE(dir.empty());
+  const std::vector<std::string> paths = WriteFiles(dir, "f", 20);
+  if (!DropFromPageCache(paths)) GTEST_SKIP() << dir << " keeps its files in memory (tmpfs?)";
+  LocalPrefetcher prefetcher(3);
   prefetcher.Hint(paths);
   prefetcher.Hint({dir + "/missing"});
   prefetcher.Drain();
-  EXPECT_EQ(prefetcher.hinted(), 20u);
-  EXPECT_EQ(prefetcher.failed(), 1u);
+  const LocalPrefetcher::Counts counts = prefetcher.counts();
+  EXPECT_EQ(counts.hinted, 20u);
+  EXPECT_EQ(counts.resident + counts.skipped, 0u);
+  EXPECT_EQ(counts.failed, 1u);
+  ASSERT_TRUE(testing::RemoveTree(dir));
+}
+
+TEST(LocalPrefetcherTest, CachedFilesAreProbedOnlyNowAndThenUntilOneIsNot) {
+  const std::string dir = testing::MakeTempDir("fanrun-prefetch-test");
+  ASSERT_FALSE(dir.empty());
+  const int streak = LocalPrefetcher::kResidentStreak;
+  const std::vector<std::string> cached = WriteFiles(dir, "cached", streak + 4 * LocalPrefetcher::kProbeEvery);
+  const std::vector<std::string> cold = WriteFiles(dir, "cold", 40);
+  if (!DropFromPageCache(cold)) GTEST_SKIP() << dir << " keeps its files in memory (tmpfs?)";
+  LocalPrefetcher prefetcher(2);
+
+  HintInGroups(prefetcher, cached);  // just written: in the page cache
+  LocalPrefetcher::Counts counts = prefetcher.counts();
+  EXPECT_EQ(counts.hinted + counts.failed, 0u);
+  EXPECT_EQ(counts.resident, static_cast<uint64_t>(streak + 4));  // the streak, then one probe in 16
+  EXPECT_EQ(counts.skipped, cached.size() - counts.resident);
+
+  HintInGroups(prefetcher, cold);  // the first probe that meets one brings every hint back
+  counts = prefetcher.counts();
+  EXPECT_GE(counts.hinted, cold.size() - LocalPrefetcher::kProbeEvery);
+  EXPECT_EQ(counts.resident + counts.skipped + counts.hinted, cached.size() + cold.size());
   ASSERT_TRUE(testing::RemoveTree(dir));
 }
 

@@ -2,10 +2,15 @@
 //
 // Local files are read in place, never copied; what a reader gains from prefetching them is
 // I/O in flight for the next files while it works on this one, so that a cold disk serves
-// several requests at once. Each hint opens the file and calls posix_fadvise(WILLNEED),
-// which starts the kernel's readahead of the whole file into the page cache and returns;
-// files already cached cost an open and a close. A hint that fails is only counted: the
-// reader meets the real error when it opens the file.
+// several requests at once. Each hint opens the file and, unless its last byte is already
+// in the page cache, calls posix_fadvise(WILLNEED), which starts the kernel's readahead of
+// the whole file and returns. A hint that fails is only counted: the reader meets the real
+// error when it opens the file.
+//
+// Files already in the page cache gain nothing, and on a busy machine the threads' work for
+// them costs the readers CPU. So once kResidentStreak files in a row were found cached, only
+// one hint in kProbeEvery is given, as a probe; the first probe that finds a file not cached
+// brings every hint back.
 #pragma once
 
 #include <condition_variable>
@@ -31,8 +36,16 @@ class LocalPrefetcher {
   // Waits until every hint queued so far has been given to the kernel.
   void Drain();
 
-  uint64_t hinted() const;
-  uint64_t failed() const;
+  struct Counts {
+    uint64_t hinted = 0;    // readahead started
+    uint64_t resident = 0;  // already in the page cache: nothing to do
+    uint64_t skipped = 0;   // not looked at: the files before were all cached
+    uint64_t failed = 0;    // could not be opened
+  };
+  Counts counts() const;
+
+  static constexpr int kResidentStreak = 32;
+  static constexpr int kProbeEvery = 16;
 
  private:
   void Run();
@@ -43,8 +56,9 @@ class LocalPrefetcher {
   std::deque<std::string> queue_;
   int busy_ = 0;
   bool stopping_ = false;
-  uint64_t hinted_ = 0;
-  uint64_t failed_ = 0;
+  int resident_streak_ = 0;    // files found cached in a row
+  uint64_t since_probe_ = 0;   // hints dropped since the last probe, while the streak holds
+  Counts counts_;
   std::vector<std::thread> threads_;
 };
 

@@ -19,6 +19,7 @@ from .._errors import DataFileError, FanrunError
 from . import _split
 from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, native_http_allowed, parse_byte_size)
 from ._dataset_source import SourceFile, shared_listing
+from ._first_batches import FirstBatchTurns, Turn
 
 _STATE_VERSION = 1
 
@@ -116,6 +117,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self._cache_pid = -1
         self._prefetcher: _core.LocalPrefetcher | None = None
         self._prefetcher_pid = -1
+        self._turns: FirstBatchTurns | None = None  # set by fanrun.data.DataLoader while it forks its workers
         self._check_limit(num_workers=0)  # before any work; the workers check again knowing their number
 
     # ------------------------------------------------------------ public
@@ -196,11 +198,15 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         rank, world_size = _rank_and_world()
         order = _split.permutation(len(self._files), self.seed, self._epoch, self.shuffle)
         entries = _split.rank_entries(order, start, rank, world_size, self.drop_last)
+        turn = None
         if info is not None:
             self._check_limit(num_workers=info.num_workers)
             entries = _split.worker_entries(entries, info.id, info.num_workers, self._chunk)
+            if self._turns is not None and self._turns.owner == os.getppid():
+                turn = self._turns.turn(info.id)
+                self._turns = None
         counts_here = in_main and not self._loader_counts
-        for sample in self._samples(entries):
+        for sample in self._samples(entries, turn):
             if counts_here:
                 self._consumed += 1
             yield sample
@@ -260,7 +266,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
             atexit.register(_close_cache, weakref.ref(self._cache))
         return self._cache
 
-    def _samples(self, entries: list[int]) -> Iterator[Any]:
+    def _samples(self, entries: list[int], turn: Turn | None = None) -> Iterator[Any]:
+        if turn is not None:
+            turn.wait()  # the workers before this one have made their first batches
         files = self._files
         cache = self._open_cache() if any(self._cached[i] for i in entries) else None
         in_place = self.prefetch > 0 and not all(self._cached[i] for i in entries)
@@ -270,6 +278,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         prefetched = 0
         try:
             for position, index in enumerate(entries):
+                if position == self._chunk and turn is not None:
+                    turn.release()  # this worker's first batch is made
                 # The next `prefetch` files: fetched into the cache, or read ahead by the kernel.
                 # Refilled when half read, so that the threads wake once for several files.
                 if prefetched - position <= self.prefetch // 2:
@@ -300,6 +310,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                 while len(held) > keep:
                     cache.release(held.popleft())
         finally:
+            if turn is not None:
+                turn.release()  # no first batch to make, or no more
             if cache is not None:
                 cache.release_all()
 
@@ -329,6 +341,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_cache"] = state["_prefetcher"] = None  # native threads do not travel; each process makes its own
+        state["_turns"] = None  # descriptors, only inherited by forking
         state["_cache_pid"] = state["_prefetcher_pid"] = -1
         return state
 

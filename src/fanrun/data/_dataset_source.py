@@ -10,8 +10,10 @@ listing leaves nothing held.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import fnmatch
+import gc
 import hashlib
 import json
 import os
@@ -90,7 +92,23 @@ def _list_local(root: str, pattern: str | None) -> list[SourceFile]:
 def _list_remote(url: str, pattern: str | None, storage_options: dict) -> list[SourceFile]:
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    # An instance of its own, not fsspec's shared one: see below.
+    fs, root = fsspec.core.url_to_fs(url, **{**storage_options, "skip_instance_cache": True})
+    try:
+        return _list_filesystem(fs, root, url, pattern)
+    finally:
+        # The filesystem's client session is closed by a finalizer, through fsspec's event
+        # loop thread. Left to a later collection, that can happen in a DataLoader worker
+        # forked from this process, which has no such thread: there fsspec waited 1 s for
+        # it, in every worker, before the first batch. Collected here, it closes at once.
+        # list_files runs this with the collector paused, so the filesystem and its
+        # cycles are all still in the youngest generation: collecting that one is enough,
+        # and costs microseconds where a full collection would walk all of torch's objects.
+        del fs
+        gc.collect(0)
+
+
+def _list_filesystem(fs, root: str, url: str, pattern: str | None) -> list[SourceFile]:
     matches = _matcher(pattern)
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if not fs.exists(root):
@@ -129,15 +147,30 @@ def list_files(source: str | os.PathLike | Sequence[str | os.PathLike], pattern:
     if not roots:
         raise DataSourceError("The dataset source is an empty list of paths")
     found: dict[str, SourceFile] = {}
-    for root in roots:
-        listed = _list_remote(root, pattern, storage_options) if is_url(root) else _list_local(root, pattern)
-        for file in listed:
-            found[file.source] = file
+    with _collector_paused():
+        for root in roots:
+            listed = _list_remote(root, pattern, storage_options) if is_url(root) else _list_local(root, pattern)
+            for file in listed:
+                found[file.source] = file
     if not found:
         where = ", ".join(f"'{r}'" for r in roots)
         what = f"no file matching the pattern '{pattern}'" if pattern is not None else "no file"
         raise DataSourceError(f"The dataset source {where} holds {what}")
     return [found[key] for key in sorted(found)]
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """A listing makes tens of thousands of tuples (and fsspec's, as many dicts), none of them
+    in a cycle; with torch imported, the cyclic collector that their allocation sets off would
+    walk all of torch's objects several times, which took longer than the listing itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _run_token() -> str | None:
@@ -163,7 +196,7 @@ def shared_listing(
     with open(os.path.join(directory, key + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
         if os.path.exists(target):
-            with open(target) as file:
+            with open(target) as file, _collector_paused():
                 return list(map(SourceFile._make, json.load(file)))
         files = list_files(source, pattern, storage_options)
         temporary = f"{target}.{os.getpid()}.tmp"

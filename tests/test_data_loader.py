@@ -1,0 +1,48 @@
+"""fanrun.data.DataLoader's transfer of batches from its workers: small tensors by value,
+large ones through shared memory as torch sends them, and the same batches as torch's."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from fanrun.data import DataLoader
+from fanrun.data._loader import SMALL_TENSOR_BYTES
+
+Pair = collections.namedtuple("Pair", "left right")
+SMALL = ("label", "half", "flags", "scalar", "empty", "columns")
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {
+            "label": i,  # collated into an int64 tensor
+            "half": torch.full((3,), i, dtype=torch.bfloat16),
+            "flags": torch.tensor([i % 2 == 0, True]),
+            "scalar": torch.tensor(float(i)),
+            "empty": torch.empty(0, 4),
+            "columns": (torch.arange(12, dtype=torch.float64).reshape(3, 4) + i).t(),  # not contiguous
+            "big": torch.full((SMALL_TENSOR_BYTES // 4,), i, dtype=torch.int32),
+            "pair": Pair(torch.tensor([i]), "text"),
+            "name": f"sample {i}",
+        }
+
+
+def test_batches_from_workers_are_torchs_with_small_tensors_sent_by_value():
+    ours = list(DataLoader(Samples(), batch_size=4, num_workers=2))
+    reference = list(torch.utils.data.DataLoader(Samples(), batch_size=4, num_workers=0))
+    assert len(ours) == len(reference) == 3
+    for got, want in zip(ours, reference):
+        assert got.keys() == want.keys()
+        for key in (*SMALL, "big"):
+            assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
+            assert torch.equal(got[key], want[key]), key
+        assert torch.equal(got["pair"].left, want["pair"].left) and got["pair"].right == want["pair"].right
+        assert got["name"] == want["name"]
+        # A tensor that came through shared memory is a shared one; one sent by value is not.
+        assert [key for key in SMALL if got[key].is_shared()] == []
+        assert got["big"].is_shared()
