@@ -341,8 +341,14 @@ def goals(corpus: Corpus, merged: dict, notes: dict) -> list[str]:
             out.append(f"{corpus.name}, {where}: VolumeDataset >= {GOAL_RATIO}x {peer}{goal}: "
                        f"{'holds' if ratio >= GOAL_RATIO else 'NOT MET'} ({ratio:.2f}x)")
         fraction = ours["MB/s"] / notes[raw_key]
-        out.append(f"{corpus.name}, {where}: VolumeDataset >= {GOAL_RAW_FRACTION:.0%} of raw read bandwidth [goal]: "
-                   f"{'holds' if fraction >= GOAL_RAW_FRACTION else 'NOT MET'} ({fraction:.0%})")
+        if suffix:
+            out.append(f"{corpus.name}, {where}: VolumeDataset >= {GOAL_RAW_FRACTION:.0%} of the disk's raw read "
+                       f"bandwidth [goal]: {'holds' if fraction >= GOAL_RAW_FRACTION else 'NOT MET'} ({fraction:.0%})")
+        else:
+            # The disk's bandwidth is no limit to reads from the page cache; `cat` copying
+            # the cached files into one reused buffer is the ceiling shown here.
+            out.append(f"{corpus.name}, {where}: VolumeDataset against cat from the page cache: {fraction:.0%}; "
+                       f"against the disk's raw bandwidth: {ours['MB/s'] / notes['raw cold MB/s']:.0%}")
         first = ours["first batch s"]
         out.append(f"{corpus.name}, {where}: VolumeDataset first batch within {GOAL_FIRST_BATCH_S:g} s [goal]: "
                    f"{'holds' if first <= GOAL_FIRST_BATCH_S else 'NOT MET'} ({first:.2f} s)")
