@@ -3,9 +3,9 @@ k-1 has made its first batch.
 
 The main process takes one batch from each worker in turn, worker 0's first. Started all at
 once, the workers share the disk's or the server's bandwidth, and so worker 0's first batch
-is ready only about when every worker's is: with 2 ranks x 4 workers reading 10 MB files,
-over 1 s from a cold disk or nginx, against 0.5 s in turn (benchmarks/data.py). In turn,
-the same bytes are read in the same time, in the order the main process wants them.
+is ready only about when every worker's is: with 2 ranks x 4 workers reading 10 MB files
+from a cold disk or from nginx, 0.9-1.7 s, against 0.35-0.6 s in turn (benchmarks/data.py).
+In turn, the same bytes are read in the same time, in the order the main process wants them.
 
 A chain of pipes, made by fanrun.data.DataLoader before it forks its workers: worker k
 waits to read one byte from pipe k-1, which worker k-1 writes once its first batch is made,
