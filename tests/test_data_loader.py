@@ -46,3 +46,23 @@ def test_batches_from_workers_are_torchs_with_small_tensors_sent_by_value():
         # A tensor that came through shared memory is a shared one; one sent by value is not.
         assert [key for key in SMALL if got[key].is_shared()] == []
         assert got["big"].is_shared()
+
+
+def collate_other_kinds(samples):
+    values = torch.tensor([float(s) for s in samples])
+    return {
+        "float8": values.to(torch.float8_e4m3fn),  # not a plain element type: as torch sends it
+        "conjugate": (values * 1j + 1).conj(),  # a lazy conjugate: its bytes alone are not its values
+        "negative": torch.tensor([1j, 2j]).conj().imag,  # a lazy negation, likewise
+    }
+
+
+def test_other_element_types_and_lazy_views_arrive_with_their_values():
+    samples = list(range(8))
+    ours = list(DataLoader(samples, batch_size=4, num_workers=2, collate_fn=collate_other_kinds))
+    reference = [collate_other_kinds(samples[i:i + 4]) for i in (0, 4)]
+    for got, want in zip(ours, reference):
+        assert got["float8"].dtype == torch.float8_e4m3fn and got["float8"].is_shared()
+        assert torch.equal(got["float8"].float(), want["float8"].float())
+        assert torch.equal(got["conjugate"], want["conjugate"]) and torch.equal(got["negative"], want["negative"])
+        assert not got["conjugate"].is_shared()

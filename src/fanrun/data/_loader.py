@@ -117,10 +117,17 @@ class _SmallTensorsByValue:
         return _mark_small(self.collate_fn(samples))
 
 
+# Plain element types only: taking the bytes of a quantized tensor crashed the process.
+_BY_VALUE_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+})
+
+
 def _mark_small(value):
     if type(value) is torch.Tensor:
-        if (value.layout == torch.strided and value.device.type == "cpu" and not value.requires_grad
-                and value.nelement() * value.element_size() <= SMALL_TENSOR_BYTES):
+        if (value.dtype in _BY_VALUE_DTYPES and value.layout == torch.strided and value.device.type == "cpu"
+                and not value.requires_grad and value.nelement() * value.element_size() <= SMALL_TENSOR_BYTES):
             return _ByValue(value)
         return value
     if type(value) in (list, tuple):
@@ -137,8 +144,18 @@ class _ByValue:
         self.tensor = tensor
 
     def __reduce__(self):
-        t = self.tensor.contiguous()
-        return _tensor_from_bytes, (t.reshape(-1).view(torch.uint8).numpy().tobytes(), t.dtype, tuple(t.shape))
+        # Runs in the worker's queue thread, where an exception would be printed and the
+        # batch never sent, leaving the main process waiting: a tensor whose bytes cannot
+        # be taken goes as torch sends it.
+        try:
+            t = self.tensor.resolve_conj().resolve_neg().contiguous()
+            return _tensor_from_bytes, (t.reshape(-1).view(torch.uint8).numpy().tobytes(), t.dtype, tuple(t.shape))
+        except Exception:
+            return _unchanged, (self.tensor,)
+
+
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
