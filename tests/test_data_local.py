@@ -235,6 +235,12 @@ def test_workers_make_their_first_batches_in_turn_and_leave_no_descriptor(tmp_pa
     assert open_descriptors() == descriptors
 
 
+def test_spawned_workers_read_every_sample_with_no_turns_to_inherit(tmp_path, corpus):
+    ds = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", transform=label)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="spawn")
+    assert sorted(s for batch in loader for s in batch) == sorted(f"sample {i}" for i in range(40))
+
+
 def test_without_a_loader_a_loaded_state_resumes_one_pass(tmp_path, corpus):
     ds = VolumeDataset(corpus, pattern="*.bin", seed=2, cache_dir=tmp_path / "cache", transform=label)
     whole = list(ds)

@@ -53,7 +53,11 @@ class DataLoader(torch.utils.data.DataLoader):
     def _forks_workers(self) -> bool:
         """Whether the workers are forked, and so inherit the first-batch turns' pipes."""
         context = self.multiprocessing_context  # torch keeps a context object, or None
-        method = context.get_start_method() if context is not None else multiprocessing.get_start_method()
+        if context is not None:
+            return context.get_start_method() == "fork"
+        # Asked without fixing the default, which the program may still set itself; the
+        # first method listed is the default one.
+        method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
         return method == "fork"
 
     def __iter__(self) -> Iterator[Any]:
