@@ -76,11 +76,11 @@ def test_listing_leaves_no_client_session_for_a_forked_worker_to_close(served, t
         return [f for f in gc.get_objects() if type(f) is weakref.finalize and f.alive
                 and getattr(f.peek()[1], "__name__", "") == "close_session"]
 
+    server = served[0]
     before = len(session_closers())
     for options in ({}, {"client_kwargs": {}}):  # the engine's client, then fsspec's
-        ds = VolumeDataset(server_url := served[0].url + "/", pattern="shard*/*.bin",
-                           cache_dir=tmp_path / "cache", storage_options=options)
-        assert len(ds.files) == 30, server_url
+        ds = VolumeDataset(server.url + "/", pattern="shard*/*.bin", cache_dir=tmp_path / "cache", storage_options=options)
+        assert len(ds.files) == 30
         assert len(session_closers()) == before
 
 
