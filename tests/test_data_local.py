@@ -98,6 +98,40 @@ def test_local_files_are_read_in_place_and_sorted_recursively(tmp_path, corpus):
     assert stats["resident"] > 0  # just written: in the page cache, not read ahead again
 
 
+def bytes_in_memory(path: str) -> int:
+    """What a read with RWF_NOWAIT gets: it stops at the first page not in memory yet (and
+    starts the kernel's readahead from there, so it is only asked once)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer, total = bytearray(1 << 20), 0
+        while True:
+            try:
+                got = os.preadv(fd, [buffer], total, os.RWF_NOWAIT)
+            except BlockingIOError:
+                return total
+            if got == 0:
+                return total
+            total += got
+    finally:
+        os.close(fd)
+
+
+def test_large_local_files_are_in_memory_when_their_reader_gets_them(tmp_path):
+    size = 2 * (1 << 20)  # read through by the prefetcher, whole, before the reader starts
+    paths = make_corpus(tmp_path / "large", 6, size)
+    for path in paths:  # dropped from the page cache, as on a cold disk
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    filesystem = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout
+    if filesystem.strip() == "tmpfs":
+        pytest.skip(f"{tmp_path} is on a tmpfs, which keeps its files in memory")
+    ds = VolumeDataset(tmp_path / "large", cache_dir=tmp_path / "cache", transform=bytes_in_memory)
+    assert list(ds) == [size] * 6
+    assert ds._prefetcher.stats()["hinted"] == 6
+
+
 def test_cached_copies_hold_the_same_bytes_and_a_second_reader_finds_them(tmp_path, corpus):
     ds = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", cache_local=True)
     paths = list(ds)

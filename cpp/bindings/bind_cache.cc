@@ -120,6 +120,7 @@ class PyLocalPrefetcher {
 void BindCache(nb::module_& m) {
   nb::class_<PyLocalPrefetcher>(m, "LocalPrefetcher")
       .def(nb::init<int>(), nb::arg("threads"))
+      .def_ro_static("READ_THROUGH_BYTES", &LocalPrefetcher::kReadThroughBytes)
       .def("hint", [](PyLocalPrefetcher& self, std::vector<std::string> paths) { self.prefetcher().Hint(std::move(paths)); },
            nb::arg("paths"))
       .def("drain",
@@ -128,6 +129,14 @@ void BindCache(nb::module_& m) {
              nb::gil_scoped_release release;
              prefetcher.Drain();
            })
+      .def(
+          "wait",
+          [](PyLocalPrefetcher& self, const std::string& path) {
+            LocalPrefetcher& prefetcher = self.prefetcher();
+            nb::gil_scoped_release release;
+            prefetcher.Wait(path);
+          },
+          nb::arg("path"))
       .def("stats", [](PyLocalPrefetcher& self) {
         const LocalPrefetcher::Counts counts = self.prefetcher().counts();
         nb::dict out;

@@ -1,7 +1,8 @@
-// LocalPrefetcher: a queue of paths and threads that pass those not yet cached to posix_fadvise.
+// LocalPrefetcher: a queue of paths and threads that bring those not yet cached into the page cache.
 #include "fanrun/prefetch_local.h"
 
 #include <fcntl.h>
+#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 
@@ -12,6 +13,8 @@
 namespace fanrun {
 
 LocalPrefetcher::LocalPrefetcher(int threads) {
+  Result<FileDescriptor> null = OpenFile("/dev/null", O_WRONLY);
+  if (null.ok()) null_ = std::move(*null);
   for (int i = 0; i < (threads < 1 ? 1 : threads); ++i) threads_.emplace_back([this] { Run(); });
 }
 
@@ -20,7 +23,9 @@ LocalPrefetcher::~LocalPrefetcher() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
     queue_.clear();
+    pending_.clear();
   }
+  given_.notify_all();
   work_ready_.notify_all();
   for (auto& thread : threads_) thread.join();
 }
@@ -31,12 +36,11 @@ namespace {
 // EAGAIN instead of going to the disk. Readers read files from the start, so a cached last
 // byte means the whole file was read. Any other failure (a filesystem without RWF_NOWAIT)
 // counts as not cached, so the hint is still given.
-bool LastByteCached(int fd) {
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || st.st_size == 0) return false;
+bool LastByteCached(int fd, off_t size) {
+  if (size == 0) return false;
   char byte;
   struct iovec iov {&byte, 1};
-  return ::preadv2(fd, &iov, 1, st.st_size - 1, RWF_NOWAIT) == 1;
+  return ::preadv2(fd, &iov, 1, size - 1, RWF_NOWAIT) == 1;
 }
 
 }  // namespace
@@ -50,6 +54,7 @@ void LocalPrefetcher::Hint(std::vector<std::string> paths) {
         ++counts_.skipped;
         continue;
       }
+      ++pending_[path];
       queue_.push_back(std::move(path));
     }
     if (queue_.size() == queued) return;
@@ -62,9 +67,25 @@ void LocalPrefetcher::Drain() {
   idle_.wait(lock, [this] { return queue_.empty() && busy_ == 0; });
 }
 
+void LocalPrefetcher::Wait(const std::string& path) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  given_.wait(lock, [&] { return pending_.find(path) == pending_.end(); });
+}
+
 LocalPrefetcher::Counts LocalPrefetcher::counts() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return counts_;
+}
+
+bool LocalPrefetcher::ReadThrough(int fd, off_t size) {
+  if (!null_.valid()) return false;
+  off_t offset = 0;
+  while (offset < size && !stopping_.load(std::memory_order_relaxed)) {
+    const ssize_t sent = ::sendfile(null_.fd(), fd, &offset, kReadThroughStep);
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent <= 0) return offset > 0;  // no sendfile here, or a read error the reader will meet
+  }
+  return true;
 }
 
 void LocalPrefetcher::Run() {
@@ -78,15 +99,20 @@ void LocalPrefetcher::Run() {
     lock.unlock();
     enum { kFailed, kResident, kHinted } outcome = kFailed;
     Result<FileDescriptor> file = OpenFile(path, O_RDONLY);
-    if (file.ok()) {
-      if (LastByteCached(file->fd())) {
+    struct stat st {};
+    if (file.ok() && ::fstat(file->fd(), &st) == 0) {
+      if (LastByteCached(file->fd(), st.st_size)) {
         outcome = kResident;
+      } else if (st.st_size >= kReadThroughBytes && ReadThrough(file->fd(), st.st_size)) {
+        outcome = kHinted;
       } else if (::posix_fadvise(file->fd(), 0, 0, POSIX_FADV_WILLNEED) == 0) {
         outcome = kHinted;
       }
     }
     lock.lock();
     --busy_;
+    if (const auto it = pending_.find(path); it != pending_.end() && --it->second == 0) pending_.erase(it);
+    given_.notify_all();
     if (outcome == kResident) {
       ++counts_.resident;
       ++resident_streak_;

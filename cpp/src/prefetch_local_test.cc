@@ -1,10 +1,13 @@
-// Tests of the local prefetcher: hints reach the kernel for files not cached, cached files
-// are probed now and then, failures are counted, nothing hangs.
+// Tests of the local prefetcher: hints reach the kernel for files not cached, large files are
+// read through before their wait returns, cached files are probed now and then, failures are
+// counted, nothing hangs.
 #include "fanrun/prefetch_local.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,21 +31,56 @@ std::vector<std::string> WriteFiles(const std::string& dir, const std::string& p
   return paths;
 }
 
+// How many of the file's pages are in the page cache (-1: it cannot be mapped); mincore()
+// looks without reading.
+int CachedPages(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0 || st.st_size == 0) {
+    if (fd >= 0) ::close(fd);
+    return -1;
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) return -1;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> pages((size + page - 1) / page);
+  int cached = -1;
+  if (::mincore(map, size, pages.data()) == 0) {
+    cached = static_cast<int>(std::count_if(pages.begin(), pages.end(), [](unsigned char p) { return p & 1; }));
+  }
+  ::munmap(map, size);
+  return cached;
+}
+
+// Bytes of the file readable from memory alone: read with RWF_NOWAIT, which stops at the first
+// page not cached or still being read from the disk.
+size_t BytesInMemory(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return 0;
+  std::vector<char> buffer(1 << 20);
+  size_t total = 0;
+  while (true) {
+    struct iovec iov {buffer.data(), buffer.size()};
+    const ssize_t got = ::preadv2(fd, &iov, 1, static_cast<off_t>(total), RWF_NOWAIT);
+    if (got <= 0) break;
+    total += static_cast<size_t>(got);
+  }
+  ::close(fd);
+  return total;
+}
+
 // Drops the files from the page cache, as the data benchmark does for its cold runs; false
-// where that is not possible (a tmpfs keeps them). mincore() checks, without reading.
+// where that is not possible (a tmpfs keeps them).
 bool DropFromPageCache(const std::vector<std::string>& paths) {
   for (const std::string& path : paths) {
     const int fd = ::open(path.c_str(), O_RDONLY);
     if (fd < 0) return false;
     ::fsync(fd);
     ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    void* map = ::mmap(nullptr, 10000, PROT_READ, MAP_SHARED, fd, 0);
     ::close(fd);
-    if (map == MAP_FAILED) return false;
-    unsigned char pages[3] = {};
-    const bool cached = ::mincore(map, 10000, pages) != 0 || ((pages[0] | pages[1] | pages[2]) & 1) != 0;
-    ::munmap(map, 10000);
-    if (cached) return false;
+    if (CachedPages(path) != 0) return false;
   }
   return true;
 }
@@ -92,6 +130,29 @@ TEST(LocalPrefetcherTest, CachedFilesAreProbedOnlyNowAndThenUntilOneIsNot) {
   counts = prefetcher.counts();
   EXPECT_GE(counts.hinted, cold.size() - LocalPrefetcher::kProbeEvery);
   EXPECT_EQ(counts.resident + counts.skipped + counts.hinted, cached.size() + cold.size());
+  ASSERT_TRUE(testing::RemoveTree(dir));
+}
+
+TEST(LocalPrefetcherTest, LargeFilesAreReadThroughBeforeTheirWaitReturns) {
+  const std::string dir = testing::MakeTempDir("fanrun-prefetch-test");
+  ASSERT_FALSE(dir.empty());
+  std::vector<std::string> paths;
+  for (int i = 0; i < 3; ++i) {
+    paths.push_back(dir + "/large" + std::to_string(i));
+    std::ofstream(paths.back()) << std::string(LocalPrefetcher::kReadThroughBytes * 3, 'r');
+  }
+  if (!DropFromPageCache(paths)) GTEST_SKIP() << dir << " keeps its files in memory (tmpfs?)";
+  LocalPrefetcher prefetcher(2);
+  prefetcher.Wait(dir + "/never-hinted");  // returns at once
+  prefetcher.Hint(paths);
+  for (const std::string& path : paths) {
+    prefetcher.Wait(path);
+    // Every byte, read: not only what a readahead would have started.
+    EXPECT_EQ(BytesInMemory(path), static_cast<size_t>(LocalPrefetcher::kReadThroughBytes * 3)) << path;
+  }
+  const LocalPrefetcher::Counts counts = prefetcher.counts();
+  EXPECT_EQ(counts.hinted, paths.size());
+  EXPECT_EQ(counts.resident + counts.skipped + counts.failed, 0u);
   ASSERT_TRUE(testing::RemoveTree(dir));
 }
 
