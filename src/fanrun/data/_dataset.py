@@ -299,8 +299,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                 file = files[index]
                 if not self._cached[index]:
                     if readahead is not None and file.size >= _core.LocalPrefetcher.READ_THROUGH_BYTES:
-                        # Read once the prefetcher has read it through, from the page cache:
-                        # read alongside, the disk served smaller requests, 20 % slower.
+                        # Read from the page cache once the prefetcher has read it through:
+                        # read alongside it, the disk served smaller requests, more slowly.
                         readahead.wait(file.source)
                     sample = self._read(file, file.source)
                 else:
@@ -371,8 +371,8 @@ def _import_filesystem(url: str) -> None:
 
 
 _SKIPPED = object()
-# Per reader, for large local files: one 10 MB file ahead read a cold disk at 93-95 % of
-# `cat`'s rate, two ahead no faster (benchmarks/data.py's corpus, 2 ranks x 4 workers).
+# Per reader, for large local files: one 10 MB file ahead of each of 8 readers; three ahead
+# read a cold disk no faster (benchmarks/data.py's large files, 2 ranks x 4 workers).
 _READAHEAD_BYTES = 16 << 20
 
 
