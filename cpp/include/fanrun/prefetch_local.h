@@ -2,7 +2,7 @@
 //
 // Local files are read in place, never copied; what a reader gains from prefetching them is
 // I/O in flight for the next files while it works on this one, so that a cold disk serves
-// several requests at once. Each hint opens the file and, unless its last byte is already
+// several requests at once. Each hint opens the file and, unless its last page is already
 // in the page cache:
 // - a file of kReadThroughBytes or more is read through with sendfile() to /dev/null, which
 //   fills the page cache and copies nothing; its reader waits for that (Wait) and then reads
