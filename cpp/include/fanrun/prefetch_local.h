@@ -7,8 +7,9 @@
 // - a file of kReadThroughBytes or more is read through with sendfile() to /dev/null, which
 //   fills the page cache and copies nothing; its reader waits for that (Wait) and then reads
 //   from memory. With 8 readers of 10 MB files on a cold virtio disk, posix_fadvise(WILLNEED)
-//   or a reader's own read() of the whole file had the disk serve requests of about 1 MB, at
-//   1.1-1.5 GB/s; read through first, about 1.8 MB, at 1.6-1.9 GB/s;
+//   or a reader's own read() of the whole file had the disk serve requests of about 1 MB;
+//   read through first, about 2 MB, and faster in five tries of six, by up to 20 %
+//   (benchmarks/read_through.py);
 // - a smaller file gets posix_fadvise(WILLNEED), which starts the kernel's readahead of the
 //   whole file and returns.
 // A hint that fails is only counted: the reader meets the real error when it opens the file.
