@@ -82,7 +82,7 @@ void LocalPrefetcher::Hint(std::vector<std::string> paths) {
 
 void LocalPrefetcher::Drain() {
   std::unique_lock<std::mutex> lock(mutex_);
-  idle_.wait(lock, [this] { return queue_.empty() && busy_ == 0; });
+  given_.wait(lock, [this] { return pending_.empty(); });
 }
 
 void LocalPrefetcher::Wait(const std::string& path) {
@@ -113,7 +113,6 @@ void LocalPrefetcher::Run() {
     if (stopping_) return;
     const std::string path = std::move(queue_.front());
     queue_.pop_front();
-    ++busy_;
     lock.unlock();
     enum { kFailed, kResident, kHinted } outcome = kFailed;
     Result<FileDescriptor> file = OpenFile(path, O_RDONLY);
@@ -128,7 +127,6 @@ void LocalPrefetcher::Run() {
       }
     }
     lock.lock();
-    --busy_;
     if (const auto it = pending_.find(path); it != pending_.end() && --it->second == 0) pending_.erase(it);
     given_.notify_all();
     if (outcome == kResident) {
@@ -139,7 +137,6 @@ void LocalPrefetcher::Run() {
       resident_streak_ = 0;
       since_probe_ = 0;
     }
-    if (queue_.empty() && busy_ == 0) idle_.notify_all();
   }
 }
 

@@ -71,11 +71,9 @@ class LocalPrefetcher {
 
   mutable std::mutex mutex_;
   std::condition_variable work_ready_;
-  std::condition_variable idle_;
-  std::condition_variable given_;  // a hint was given; Wait() looks whether it was its own
+  std::condition_variable given_;  // a hint was given; Wait() and Drain() look again
   std::deque<std::string> queue_;
   std::unordered_map<std::string, int> pending_;  // hints queued or being given, per path
-  int busy_ = 0;
   std::atomic<bool> stopping_{false};
   int resident_streak_ = 0;    // files found cached in a row
   uint64_t since_probe_ = 0;   // hints dropped since the last probe, while the streak holds

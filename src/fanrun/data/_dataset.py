@@ -276,7 +276,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         readahead = self._open_prefetcher() if in_place else None
         held: deque[str] = deque()
         keep = 1 if self.transform is not None else self._chunk
-        ahead_count = self._ahead_count(entries) if in_place else self.prefetch
+        ahead_count = self._ahead_count(entries)
         prefetched = 0
         try:
             for position, index in enumerate(entries):
