@@ -19,27 +19,7 @@ import time
 from multiprocessing import Process
 from pathlib import Path
 
-
-def make_files(directory: Path, count: int, size: int) -> list[str]:
-    block = os.urandom(size)
-    paths = []
-    for i in range(count):
-        path = directory / f"d{i % 16:02d}" / f"s{i:06d}.bin"
-        if not path.exists() or path.stat().st_size != size:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(block)
-        paths.append(str(path))
-    os.sync()
-    return paths
-
-
-def evict(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+from data import Corpus, evict, files_of, make_corpus  # benchmarks/data.py's corpus, made the same way
 
 
 def disk_of(path: str) -> str | None:
@@ -82,10 +62,10 @@ def read_through(paths: list[str]) -> None:
             file.read()
 
 
-def timed(way, paths: list[str], processes: int, disk: str | None) -> str:
+def timed(way, directory: Path, paths: list[str], processes: int, disk: str | None) -> str:
     order = paths[:]
     random.Random(0).shuffle(order)
-    evict(paths)
+    evict(directory)
     requests, sectors = disk_reads(disk)
     started = time.perf_counter()
     workers = [Process(target=way, args=(order[i::processes],)) for i in range(processes)]
@@ -103,17 +83,22 @@ def timed(way, paths: list[str], processes: int, disk: str | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", type=Path, required=True, help="where the files are made and kept (on the disk to measure)")
+    parser.add_argument("--dir", type=Path, required=True,
+                        help="the files are made and kept in its corpus/ (on the disk to measure)")
     parser.add_argument("--files", type=int, default=200)
     parser.add_argument("--mb", type=int, default=10)
     parser.add_argument("--processes", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    paths = make_files(args.dir, args.files, args.mb * 1000 * 1000)
+    directory = args.dir / "corpus"
+    make_corpus(directory, Corpus("large", args.files, args.mb * 1000 * 1000))
+    paths = [str(p) for p in files_of(directory)]
     disk = disk_of(paths[0])
-    print(f"{args.files} files x {args.mb} MB under {args.dir} (disk {disk}), {os.cpu_count()} cores, cold each try", flush=True)
+    print(f"{args.files} files x {args.mb} MB under {directory} (disk {disk}), {os.cpu_count()} cores, cold each try",
+          flush=True)
     for _ in range(args.repeat):
-        print("; ".join(timed(way, paths, n, disk) for way in (cat, whole, read_through) for n in args.processes), flush=True)
+        print("; ".join(timed(way, directory, paths, n, disk) for way in (cat, whole, read_through) for n in args.processes),
+              flush=True)
 
 
 if __name__ == "__main__":
