@@ -1,4 +1,5 @@
-# make setup: .venv with fanrun built and installed; make demo: the DDP job; make test: every C++ and Python test.
+# make setup: .venv with fanrun built and installed; make demo: the DDP job; make test: every C++ and Python test;
+# make wheel: dist/fanrun-<version>-*.whl, built as a user's pip builds it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(abspath $(VENV))/bin
@@ -8,20 +9,25 @@ SOURCES := $(shell find cpp src -type f -not -name '*.pyc') CMakeLists.txt pypro
 # The engine's tests: warnings are errors, AddressSanitizer and UndefinedBehaviorSanitizer on.
 CPP_TEST_BUILD := build/cpp-tests
 
-.PHONY: setup demo test test-cpp test-python clean
+.PHONY: setup demo test test-cpp test-python wheel clean
 
 setup: $(INSTALLED)
 
+# pip 25.1 is the first to install a dependency group (--group) alone.
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade "pip>=25.1"
 
-# Built without build isolation so that build/ is reused between installs; the build
-# tools come from PyPI into .venv, like everything else.
+# The test group's packages install the normal way, each sdist built in an isolated
+# environment with the build tools it declares, so nothing depends on what .venv or pip's
+# cache happens to hold. fanrun itself is built without isolation, so that build/ is reused
+# between installs: its build tools come into .venv first, with a setuptools and wheel that
+# can build any sdist among its own dependencies the same way.
 $(INSTALLED): $(PY) $(SOURCES)
-	$(PY) -m pip install --quiet "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja
+	$(PY) -m pip install --quiet --group test
+	$(PY) -m pip install --quiet "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja "setuptools>=70" wheel
 	$(PY) -m pip install --quiet --no-build-isolation \
-		--config-settings=cmake.define.FANRUN_WERROR=ON ".[test]"
+		--config-settings=cmake.define.FANRUN_WERROR=ON .
 	touch $@
 
 demo: setup
@@ -42,5 +48,11 @@ test-python: setup
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || (apt-get update -qq && apt-get install -y -qq nginx-light)
 	$(PY) -m pytest tests
 
+# In an isolated build environment with pyproject.toml's build requirements, as
+# `pip install <path>` or `pip wheel <path>` builds fanrun anywhere else. WHEEL_DIR moves it.
+WHEEL_DIR ?= dist
+wheel: $(PY)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir "$(WHEEL_DIR)" .
+
 clean:
-	rm -rf build $(VENV)
+	rm -rf build dist $(VENV)
