@@ -1,0 +1,88 @@
+"""fanrun as users get it: the wheel `make wheel` builds, installed alone into a clean virtual
+environment, and the README's quickstart run exactly as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_test_group_installs_every_extra():
+    """`make setup` installs the test group, never the extras: a package added to an extra but
+    not to the group would go untested."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    group = {Requirement(r).name: Requirement(r) for r in project["dependency-groups"]["test"]}
+    for extra, requirements in project["project"]["optional-dependencies"].items():
+        for text in requirements:
+            required = Requirement(text)
+            assert required.name in group, f"fanrun[{extra}] needs {text}, which the test group lacks"
+            assert group[required.name].specifier == required.specifier, (
+                f"fanrun[{extra}] asks for {text}, the test group for {group[required.name]}"
+            )
+
+
+@pytest.mark.slow
+def test_wheel_alone_in_a_clean_venv_runs_a_two_rank_call(tmp_path):
+    """The wheel, built as `make wheel` builds it, in a venv of its own with only its declared
+    dependencies: no torch, no MLflow, and neither build/ nor src/ anywhere on the path."""
+    wheels = tmp_path / "wheels"
+    built = subprocess.run(["make", "-C", str(ROOT), "wheel", f"WHEEL_DIR={wheels}"],
+                           capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = wheels.glob("fanrun-*.whl")
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = str(env_dir / "bin" / "python")
+    clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    installed = subprocess.run([python, "-m", "pip", "install", "--quiet", str(wheel)],
+                               capture_output=True, text=True, env=clean_env, timeout=600)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+
+    program = tmp_path / "two_ranks.py"
+    program.write_text(
+        "import importlib.util, os, sys\n"
+        "import fanrun\n"
+        "from fanrun import distributed\n"
+        "print('module', fanrun.__file__)\n"
+        "print('path', sys.path)\n"
+        "print('torch', importlib.util.find_spec('torch') is not None)\n"
+        "@distributed(num_accelerators=2, tracking=False)\n"
+        "def rank():\n"
+        "    return int(os.environ['RANK']) * 10 + int(os.environ['WORLD_SIZE'])\n"
+        "print('result', rank.distributed())\n"
+    )
+    done = subprocess.run([python, "-I", str(program)], capture_output=True, text=True,
+                          cwd=tmp_path, env=clean_env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["module"].startswith(str(env_dir)), lines["module"]
+    assert str(ROOT) not in lines["path"]
+    assert lines["torch"] == "False"
+    assert lines["result"] == "[2, 12]"
+
+
+def test_readme_quickstart_runs_as_written_on_the_cpu(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    quickstart = readme[readme.index("## Quickstart"):]
+    code = re.search(r"```python\n(.*?)```", quickstart, re.S).group(1)
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    # As a user runs it: tracking on, its store wherever fanrun puts it from this directory.
+    env = {k: v for k, v in os.environ.items() if k != "FANRUN_TRACKING"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = eval(done.stdout.strip().splitlines()[-1], {})  # the printed list of floats
+    assert len(losses) == 2 and all(isinstance(loss, float) for loss in losses)
+    assert max(losses) < 1.0, f"the quickstart's model did not learn: {losses}"
