@@ -6,6 +6,7 @@ is blocked against the device-to-host copy, and whether and when the save comple
     python benchmarks/checkpoint.py                          # 1 GB over 2 ranks, CPU tensors
     python benchmarks/checkpoint.py --sizes 1 8 --ranks 2 4  # the issue's full set
     python benchmarks/checkpoint.py --device cuda --sizes 8 --ranks 2   # GPU tensors, one GPU a rank
+    python benchmarks/checkpoint.py --smoke                  # 20 MB, 2 ranks, one round: that it runs
 
 Cold loads: each file is fsynced and its pages dropped with posix_fadvise(POSIX_FADV_DONTNEED)
 before the load (no root needed; dirty pages cannot be dropped, hence the fsync first, outside
@@ -252,13 +253,19 @@ def raw_disk(directory: str, size_bytes: int) -> tuple[float, float]:
     return write, read
 
 
+def decorator_arguments(ranks: int, device: str) -> dict:
+    """@distributed's arguments for one case: one rank per GPU, of the GPUs fanrun finds, or
+    CPU processes even where there are GPUs."""
+    return {"num_accelerators": ranks, "accelerator_type": None if device == "cuda" else "CPU"}
+
+
 def run_case(size_gb: float, ranks: int, device: str, base: str, repeat: int, async_timeout_s: float) -> dict:
     from fanrun import distributed
 
     directory = tempfile.mkdtemp(prefix=f"ckpt-{size_gb}g-{ranks}r-", dir=base)
     try:
         try:
-            distributed(num_accelerators=ranks, accelerator_type="GPU" if device == "cuda" else "CPU")(rank_main).distributed(
+            distributed(**decorator_arguments(ranks, device))(rank_main).distributed(
                 directory, int(size_gb * 1e9), device, repeat, async_timeout_s
             )
         except Exception as error:
@@ -339,7 +346,7 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     print()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[1.0], help="state dict sizes in GB (default 1)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="rank counts (default 2)")
@@ -348,7 +355,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="rounds per method; the best is shown (default 2)")
     parser.add_argument("--async-timeout", type=float, default=300.0,
                         help="seconds to wait for an async_save before calling it not completed")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.ranks, args.repeat = [0.02], [2], 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     os.environ.setdefault("FANRUN_TRACKING", "0")
 
     import torch

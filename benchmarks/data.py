@@ -425,7 +425,11 @@ def main() -> None:
                         help="runs of each cold row, each after its own cat of the disk; the median one is shown")
     parser.add_argument("--methods", nargs="+", default=ALL_METHODS, choices=ALL_METHODS)
     parser.add_argument("--dir", type=Path, help="keep the corpus here between runs (default: a temporary folder, removed)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs (its figures mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        args.small_files, args.small_kb, args.large_files, args.large_mb = 24, 4, 4, 1
+        args.workers, args.batch_size, args.cold_tries = 1, 4, 1
     if args.full:
         args.small_files, args.small_kb, args.large_files, args.large_mb = 20000, 100, 200, 10
     corpora = [Corpus("small", args.small_files, args.small_kb * 1000), Corpus("large", args.large_files, args.large_mb * 1000 * 1000)]

@@ -1,6 +1,8 @@
 """GPU scenarios of the core contract, each timed and followed by an nvidia-smi check that no
 process is left and no memory held: DDP with NCCL on every GPU, a caller that initialised
-CUDA first, a rank raising and a rank SIGKILLed mid-training, and a rank hung in a collective."""
+CUDA first, a rank raising and a rank SIGKILLed mid-training, and a rank hung in a collective.
+With --smoke, the same scenarios on 2 CPU processes with gloo and a small model (the one that
+needs CUDA in the caller is left out), so that the script is run where there is no GPU."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import fanrun  # noqa: E402
 from fanrun import distributed  # noqa: E402
 
 
+ON_GPU = torch.cuda.is_available()
+
+
 def gpu_processes() -> str:
     """GPU processes other than this caller, which holds a CUDA context of its own from
     the scenario that initialises CUDA before launching."""
@@ -34,7 +39,8 @@ def memory_used() -> str:
 
 def report(name: str, started: float, outcome: str) -> None:
     print(f"== {name}: {outcome} in {time.monotonic() - started:.2f} s")
-    print(f"   after: GPU processes other than the caller: [{gpu_processes() or 'none'}]; memory used: {memory_used()}", flush=True)
+    if ON_GPU:
+        print(f"   after: GPU processes other than the caller: [{gpu_processes() or 'none'}]; memory used: {memory_used()}", flush=True)
 
 
 @distributed()
@@ -45,18 +51,24 @@ def train_and_maybe_fail(mode: str, failing_rank: int = 1, steps: int = 400) -> 
     import torch
     import torch.distributed as dist
 
+    on_gpu = torch.cuda.is_available()
     local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4096, 4096).cuda(), device_ids=[local_rank])
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    width, device = (4096, "cuda") if on_gpu else (64, "cpu")
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Linear(width, width).to(device), device_ids=[local_rank] if on_gpu else None
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     for step in range(steps):
-        loss = model(torch.randn(256, 4096, device="cuda")).square().mean()
+        loss = model(torch.randn(256, width, device=device)).square().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step == steps // 2 and dist.get_rank() == failing_rank:
-            torch.cuda.synchronize()
+            if on_gpu:
+                torch.cuda.synchronize()
             if mode == "raise":
                 raise RuntimeError(f"rank {failing_rank} gave up at step {step}")
             if mode == "sigkill":
@@ -95,10 +107,10 @@ def cuda_live_in_caller() -> str:
     return f"returned {losses}"
 
 
-def failing(mode: str, rank: int, expected: type):
+def failing(mode: str, rank: int, expected: type, steps: int):
     def body() -> str:
         try:
-            train_and_maybe_fail.distributed(mode, rank)
+            train_and_maybe_fail.distributed(mode, rank, steps)
         except expected as error:
             return f"{type(error).__name__}: {str(error).splitlines()[0]}"
         return "no error (unexpected)"
@@ -106,10 +118,17 @@ def failing(mode: str, rank: int, expected: type):
     return body
 
 
-def hung_collective() -> str:
-    hang = distributed(timeout=20)(train_and_maybe_fail.__wrapped__)
+def hung_collective(timeout: float, steps: int):
+    def body() -> str:
+        return hang(timeout, steps)
+
+    return body
+
+
+def hang(timeout: float, steps: int) -> str:
+    hung = distributed(timeout=timeout)(train_and_maybe_fail.__wrapped__)
     try:
-        hang.distributed("hang")
+        hung.distributed("hang", 1, steps)
     except TimeoutError as error:
         named = sorted(r for r, lines in error.stacks.items() if any("train_and_maybe_fail" in line for line in lines))
         return f"TimeoutError, ranks running {error.running_ranks}, stacks naming the function from ranks {named}"
@@ -121,14 +140,25 @@ def main() -> None:
     last = max(torch.cuda.device_count() - 1, 1)
     parser.add_argument("--raise-rank", type=int, default=last, help="the rank that raises (default: the last)")
     parser.add_argument("--kill-rank", type=int, default=last, help="the rank SIGKILLed (default: the last)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="where there is no GPU: the scenarios on 2 CPU processes with gloo, that the script still runs")
     args = parser.parse_args()
-    print(f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
-    print(f"before: GPU processes: [{gpu_processes() or 'none'}]; memory used: {memory_used()}", flush=True)
-    scenario("DDP demo, @distributed() on every GPU with NCCL", ddp_demo)
-    scenario("caller initialised CUDA first", cuda_live_in_caller)
-    scenario(f"rank {args.raise_rank} raises mid-training", failing("raise", args.raise_rank, RuntimeError))
-    scenario(f"rank {args.kill_rank} is SIGKILLed mid-training", failing("sigkill", args.kill_rank, fanrun.RankFailedError))
-    scenario("rank 1 hangs, rank 0 waits in NCCL (timeout=20 s)", hung_collective)
+    if not ON_GPU and not args.smoke:
+        parser.error("no GPU found (torch.cuda.is_available() is False); --smoke runs the scenarios on CPU processes")
+    steps, timeout = (400, 20.0) if ON_GPU else (20, 10.0)
+    if ON_GPU:
+        print(f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+        print(f"before: GPU processes: [{gpu_processes() or 'none'}]; memory used: {memory_used()}", flush=True)
+    else:
+        print(f"no GPU: 2 CPU processes with gloo; torch {torch.__version__}", flush=True)
+    backend = "NCCL" if ON_GPU else "gloo"
+    scenario(f"DDP demo, @distributed() on every {'GPU' if ON_GPU else 'CPU process'} with {backend}", ddp_demo)
+    if ON_GPU:
+        scenario("caller initialised CUDA first", cuda_live_in_caller)
+    scenario(f"rank {args.raise_rank} raises mid-training", failing("raise", args.raise_rank, RuntimeError, steps))
+    scenario(f"rank {args.kill_rank} is SIGKILLed mid-training",
+             failing("sigkill", args.kill_rank, fanrun.RankFailedError, steps))
+    scenario(f"rank 1 hangs, rank 0 waits in {backend} (timeout={timeout:g} s)", hung_collective(timeout, steps))
 
 
 if __name__ == "__main__":

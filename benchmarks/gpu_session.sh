@@ -4,18 +4,22 @@
 # given as wheels in .whl/.
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
 #   [checkpoint-tests] [checkpoint]
-# On eight GPUs (issue: the 8-GPU node):
+# On eight GPUs:
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
+# DRY_RUN=1 prints each step's command instead of running it, and installs nothing (the tests
+# check that every step still names files, tests and arguments that exist).
 set -u
 OUT=${OUT:-/tmp/fanrun-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/deepspeed-*.tar.gz
-  export PYTHONPATH=/tmp/site
+if [ -z "${DRY_RUN:-}" ]; then
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/deepspeed-*.tar.gz
+    export PYTHONPATH=/tmp/site
+  fi
+  python3 -m pip install -q --no-build-isolation --no-deps . || exit 1
 fi
-python3 -m pip install -q --no-build-isolation --no-deps . || exit 1
 
 after() {
   echo "--- nvidia-smi after $1"
@@ -25,6 +29,10 @@ after() {
 step() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "${DRY_RUN:-}" ]; then
+    printf 'step %s %s' "$name" "$limit"; printf ' %q' "$@"; echo
+    return
+  fi
   echo "=== $name: $*"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   after "$name" | tee -a "$OUT/$name.log"

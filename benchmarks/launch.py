@@ -573,7 +573,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per launcher and N")
     parser.add_argument("--json", type=Path, help="also write every sample to this file")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS), help="the peers to measure (default: all)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs (its figures mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        args.ranks, args.failure_ranks, args.repeat = [2], [2], 1
     if args.repeat < 1 or min(args.ranks + args.failure_ranks) < 1:
         parser.error("--repeat and every N must be at least 1")
     return args

@@ -53,7 +53,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 4096, 65536, 262144, 1048576],
                         help="bytes per batch")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs (its figures mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        args.batches, args.workers, args.sizes = 8, 1, [64, 1048576]
     print(f"{args.batches} batches of {args.batch_size} samples, {args.workers} workers; fanrun sends tensors "
           f"up to {SMALL_TENSOR_BYTES} bytes by value")
     print(f"{'bytes/batch':>11}  {'torch wall us':>13}  {'fanrun wall us':>14}  {'torch main CPU us':>17}  "

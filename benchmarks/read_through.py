@@ -89,7 +89,10 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=10)
     parser.add_argument("--processes", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs (its figures mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        args.files, args.mb, args.processes, args.repeat = 4, 1, [2], 1
     directory = args.dir / "corpus"
     make_corpus(directory, Corpus("large", args.files, args.mb * 1000 * 1000))
     paths = [str(p) for p in files_of(directory)]

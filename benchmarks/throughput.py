@@ -83,7 +83,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=None, help="default: every GPU, else 2")
     parser.add_argument("--kinds", nargs="+", choices=["ddp", "fsdp"], default=["ddp", "fsdp"])
     parser.add_argument("--worker", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs (its figures mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.repeat = 5, 1, 1
     if args.worker:  # a torchrun rank
         rate = train(args.worker, args.steps, args.warmup)
         if os.environ["RANK"] == "0":

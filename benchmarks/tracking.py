@@ -149,7 +149,10 @@ def main() -> int:
                         help="where runs go (default: a sqlite store in a temporary folder, MLflow's local default)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="which modes to run ('off' is always run: the others are measured against it)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs (its figures mean nothing)")
     options = parser.parse_args()
+    if options.smoke:
+        options.ranks, options.steps, options.warmup, options.repeats = 2, 10, 1, 1
     modes = [MODES[name] for name in MODES if name == "off" or name in options.modes]
 
     with tempfile.TemporaryDirectory(prefix="fanrun-tracking-bench-") as scratch:

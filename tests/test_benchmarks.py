@@ -1,0 +1,111 @@
+"""Every script in benchmarks/ runs to the end in its smoke mode (tiny sizes, CPU), so that none
+can rot unnoticed; for the GPU paths, everything but the GPU: the steps of the GPU session name
+files, tests and arguments that exist, and the decorator arguments built for GPUs are valid."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+# Each script, the arguments of its smoke run, and lines its report must hold: its table's
+# header and the ratios against its peers.
+SMOKE_RUNS = {
+    "checkpoint.py": ([], ["Save (durable except torch.save)", "fanrun/dcp-8", "Load, cold cache", "dcp.async_save", "Goals:"]),
+    # make test-python installs nginx, so the HTTP rows run too.
+    "data.py": ([], ["method ", "volume, cold disk", "webdataset", "streaming", "volume (http, cold)",
+                     "webdataset (http, cold)", "Goals"]),
+    "gpu_checks.py": ([], ["== DDP demo", "== rank 1 raises mid-training: RuntimeError",
+                           "is SIGKILLed mid-training: RankFailedError", "hangs, rank 0 waits in gloo (timeout=10 s): TimeoutError"]),
+    "launch.py": ([], ["Launch wall time", "fanrun/mp.spawn", "fanrun/torchrun", "fanrun/notebook_launcher",
+                       "Failure latency", "Goals", "Leftover processes:\n  none"]),
+    "loader_transfer.py": ([], ["bytes/batch", "CPU ratio", "1048576"]),
+    "read_through.py": (["--dir", "{tmp}"], ["cat x2:", "whole x2:", "read_through x2:"]),
+    "throughput.py": ([], ["fanrun/torchrun", "ddp ", "fsdp "]),
+    "tracking.py": ([], ["| mode |", "log_metric every step (fanrun's default)", "vs off"]),
+}
+# gpu_session.sh drives the GPU machine itself; test_gpu_session_steps_exist checks it.
+NOT_PYTHON = {"gpu_session.sh"}
+
+
+def test_every_benchmark_has_a_smoke_run():
+    scripts = {p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh")}
+    assert scripts == set(SMOKE_RUNS) | NOT_PYTHON
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMOKE_RUNS))
+def test_benchmark_smoke_run_prints_its_report(script, tmp_path):
+    args, expected = SMOKE_RUNS[script]
+    args = [a.format(tmp=tmp_path) for a in args]
+    # The scripts run from a scratch directory, as they would from anywhere: nothing they
+    # write (MLflow stores, corpora) lands in the checkout.
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", *args],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for text in expected:
+        assert text in done.stdout, f"{script} --smoke did not print {text!r}:\n{done.stdout[-3000:]}"
+
+
+def gpu_session_steps() -> list[tuple[str, list[str]]]:
+    parts = ["checks", "examples", "gpu-tests", "notebooks", "throughput", "launch", "tracking",
+             "checkpoint-tests", "checkpoint"]
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), *parts], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    steps = []
+    for line in done.stdout.splitlines():
+        if line.startswith("step "):
+            _, name, _limit, *command = shlex.split(line)
+            steps.append((name, command))
+    return steps
+
+
+def test_gpu_session_steps_exist():
+    """Each step of the GPU session runs a script that exists, and each of its pytest steps
+    selects at least one test: a renamed test or file would otherwise be found on the GPU."""
+    steps = gpu_session_steps()
+    assert len(steps) >= 10
+    for name, command in steps:
+        assert command[0] == "python3", (name, command)
+        if command[1:3] == ["-m", "pytest"]:
+            collected = subprocess.run([sys.executable, *command[1:], "--collect-only", "-q"],
+                                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+            # pytest exits with 5 when the selection is empty.
+            assert collected.returncode == 0, f"step {name} selects no test: {collected.stdout[-2000:]}"
+        else:
+            assert (ROOT / command[1]).is_file(), f"step {name} runs {command[1]}, which does not exist"
+
+
+def load_benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checkpoint_benchmark_gpu_arguments_are_valid():
+    """The GPU session's checkpoint step parses, and the decorator it builds for --device cuda is
+    accepted and plans one rank per GPU on a machine with two."""
+    from fanrun import distributed
+    from fanrun._accelerators import Gpu, Inventory, parse_accelerator_type, plan_run
+
+    checkpoint = load_benchmark("checkpoint")
+    (command,) = [c for name, c in gpu_session_steps() if name == "checkpoint"]
+    args = checkpoint.parse_args(command[2:])
+    assert args.device == "cuda"
+    for ranks in args.ranks:
+        arguments = checkpoint.decorator_arguments(ranks, args.device)
+        distributed(**arguments)(lambda: None)  # raises for an argument @distributed rejects
+        gpus = tuple(Gpu(i, "NVIDIA H200", f"GPU-{i}", 141 << 30) for i in range(2))
+        plan = plan_run(arguments["num_accelerators"], parse_accelerator_type(arguments["accelerator_type"]),
+                        Inventory(gpus, gpus, ""))
+        assert plan.use_gpus and plan.world_size == ranks
