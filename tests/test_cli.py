@@ -71,3 +71,59 @@ def test_bad_arguments_are_reported_before_anything_starts():
     assert done.returncode == 1 and "Cannot run '/nonexistent/program': no such file" in done.stderr
     done = run(["run", "--accelerator-type", "GPU_8xH100", "--no-python", "true"])
     assert done.returncode == 1 and "asks for GPUs, but this machine has no GPU" in done.stderr
+
+
+def test_version():
+    from fanrun import __version__
+
+    done = run(["--version"])
+    assert done.returncode == 0 and done.stdout.strip() == f"fanrun {__version__}"
+
+
+def test_torchrun_command_line_runs_as_it_is(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'])\n")
+    for flags in (["--standalone", "--nproc_per_node=3"], ["--nnodes=1", "--nproc-per-node", "3", "--max_restarts=0"],
+                  ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nproc_per_node", "3", "--monitor-interval=1"]):
+        done = run(["run", *flags, str(script)])
+        assert done.returncode == 0, (flags, done.stderr)
+        assert sorted(done.stdout.splitlines()) == [f"[rank{r}]: {r} 3" for r in range(3)], flags
+
+
+def test_nproc_per_node_cpu_is_one_rank_per_core(tmp_path):
+    done = run(["run", "--nproc-per-node=cpu", "--no-python", "/bin/sh", "-c", "echo $WORLD_SIZE"])
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == os.cpu_count()
+    assert set(line.split(": ")[1] for line in done.stdout.splitlines()) == {str(os.cpu_count())}
+
+
+def test_torchrun_flags_that_cannot_apply_name_what_to_do():
+    cases = {
+        ("--nnodes=2",): "--nnodes 2: fanrun run starts the ranks of this machine only",
+        ("--master_port=29500",): "fanrun picks and holds a free port",
+        ("--master-addr", "10.0.0.1"): "drop --master-addr",
+        ("--max-restarts=3",): "fanrun does not restart ranks",
+        ("--start-method=fork",): "every rank is a fresh interpreter (spawn)",
+        ("--rdzv_endpoint=node7:29400",): "fanrun run's rendezvous is on 127.0.0.1",
+        ("--log_dir=/tmp/logs",): "FANRUN_RUNS_DIR",
+        ("--tee=3",): "kept whole in its log",
+        ("--nproc-per-node=many",): "must be a number of ranks, or gpu, cpu or auto",
+    }
+    for flags, expected in cases.items():
+        done = run(["run", *flags, "--no-python", "true"])
+        assert done.returncode == 1 and expected in done.stderr, (flags, done.stderr)
+
+
+def test_missing_script_is_an_error_before_any_rank_starts(tmp_path, runs_dir):
+    before = set(os.listdir(runs_dir))
+    done = run(["run", "-n", "2", "no_such_train.py"], cwd=tmp_path)
+    assert done.returncode == 1
+    assert "the script 'no_such_train.py' does not exist" in done.stderr
+    assert set(os.listdir(runs_dir)) == before  # no run was made
+
+
+def test_rank_killed_by_a_signal_exits_like_a_shell():
+    """128 + the signal's number, as a shell reports a command a signal killed."""
+    done = run(["run", "-n", "2", "--no-python", "/bin/sh", "-c", 'if [ "$RANK" = 1 ]; then kill -SEGV $$; fi; sleep 60'])
+    assert done.returncode == 128 + 11, done.stderr
+    assert "killed by SIGSEGV" in done.stderr

@@ -3,34 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
-from . import _accelerators, _launcher
+from . import __version__, _accelerators, _cli_torchrun, _launcher
 from ._decorator import DEFAULT_TIMEOUT
 from ._errors import RankFailedError, RemoteTraceback, RunTimeoutError
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fanrun", description="Run a program on every accelerator of this machine.")
+    parser.add_argument("--version", action="version", version=f"fanrun {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run",
         help="run a script, a module or a program once per rank",
         description="Runs SCRIPT (or -m MODULE, or a program with --no-python) once per rank, "
-        "with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).",
+        "with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). "
+        "torchrun's own flags are understood: --nproc-per-node is -n, --standalone is what fanrun always does, "
+        "and a flag that does not apply on one machine is refused with what to use instead.",
     )
-    run.add_argument("-n", "--num-accelerators", "--nproc-per-node", type=int, default=None, metavar="N",
-                     help="ranks to start (default: every GPU, or %d CPU processes)" % _accelerators.DEFAULT_CPU_RANKS)
+    run.add_argument("-n", "--num-accelerators", "--nproc-per-node", "--nproc_per_node", default=None, metavar="N",
+                     help="ranks to start: a number, or gpu (one per GPU), cpu (one per core), auto "
+                     "(default: every GPU, or %d CPU processes)" % _accelerators.DEFAULT_CPU_RANKS)
     run.add_argument("--accelerator-type", default=None, metavar="TYPE",
                      help="the machine type to expect, such as GPU_8xH100, or CPU to run CPU processes")
     run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                      help="seconds before every rank is stopped (default: 3 hours; 0: none)")
     kind = run.add_mutually_exclusive_group()
     kind.add_argument("-m", "--module", action="store_true", help="run TARGET as a module, like python -m")
-    kind.add_argument("--no-python", action="store_true", help="run TARGET as a program, not a Python script")
+    kind.add_argument("--no-python", "--no_python", action="store_true", help="run TARGET as a program, not a Python script")
     run.add_argument("target", metavar="TARGET", help="script.py, a module name with -m, or a program with --no-python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
+    _cli_torchrun.add_flags(run)
     return parser
 
 
@@ -39,12 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     # A scheduler's SIGTERM stops the ranks the same way as Ctrl+C does.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
-        count = options.num_accelerators
+        _cli_torchrun.check_flags(options)
+        count, cpu = (None, False) if options.num_accelerators is None else _cli_torchrun.nproc_per_node(options.num_accelerators)
         if count is not None and count < 1:
             raise ValueError(f"-n must be at least 1, not {count}")
+        accelerator_type = "CPU" if cpu and options.accelerator_type is None else options.accelerator_type
         plan = _accelerators.plan_run(
-            count, _accelerators.parse_accelerator_type(options.accelerator_type), _accelerators.detect()
+            count, _accelerators.parse_accelerator_type(accelerator_type), _accelerators.detect()
         )
+        if not options.no_python and not options.module and not os.path.isfile(options.target):
+            raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
+                                    f"use -m for a module, or --no-python for a program")
         if options.no_python:
             program = _launcher.RankProgram.native([options.target, *options.args])
         else:
@@ -66,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return 124
     except RankFailedError as error:
         print(f"fanrun: {error}", file=sys.stderr)
+        if error.signal_name in signal.Signals.__members__:
+            return 128 + signal.Signals[error.signal_name]  # as a shell reports a command killed by a signal
         return error.exit_code if isinstance(error.exit_code, int) and error.exit_code > 0 else 1
     except Exception as error:
         # A rank's own exception (its traceback is in the rank's output above), or bad input.
