@@ -212,3 +212,60 @@ def test_missing_executable_is_an_error_before_the_run(monkeypatch):
     plan = _accelerators.plan_run(2, None, _accelerators.detect())
     with pytest.raises(fanrun.FanrunError, match="Rank 0 could not start: Cannot run '/nonexistent/python'"):
         _launcher.run(name="x", plan=plan, program=_launcher.RankProgram.native(["/nonexistent/python"]), timeout=None)
+
+
+GPU_SEED_CODE = """
+from fanrun import distributed
+
+@distributed({arguments})
+def run_train(backend):
+    import os, torch, torch.distributed as dist
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    dist.destroy_process_group()
+    return 1
+
+print(run_train.distributed({backend!r}))
+"""
+
+
+def run_seed_code(tmp_path, arguments: str, backend: str):
+    import subprocess
+    import sys
+
+    script = tmp_path / "seed.py"
+    script.write_text(GPU_SEED_CODE.format(arguments=arguments, backend=backend))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+
+@pytest.mark.skipif(fanrun._accelerators.detect().visible, reason="needs a machine without a GPU")
+def test_gpu_code_on_a_cpu_machine_says_why_and_what_to_do(tmp_path):
+    """Databricks' seed code unchanged (set_device, NCCL) where there is no GPU: one line says what
+    was started, and the root cause keeps its type with a note that names gloo."""
+    done = run_seed_code(tmp_path, "", "nccl")
+    assert done.returncode == 1
+    assert done.stderr.startswith('fanrun: no GPU found: 2 CPU processes; use the gloo backend (init_process_group("gloo"))\n')
+    assert "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'" in done.stderr
+    assert 'fanrun: the ranks are 2 CPU processes, with no GPU, and this failed on a CUDA call or on NCCL. ' \
+           'Use init_process_group("gloo")' in done.stderr
+
+
+@pytest.mark.skipif(fanrun._accelerators.detect().visible, reason="needs a machine without a GPU")
+def test_nccl_on_cpu_ranks_keeps_its_type_and_gets_the_hint():
+    @distributed(num_accelerators=2)
+    def nccl_only():
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+
+    with pytest.raises(RuntimeError, match="NCCL") as caught:
+        nccl_only.distributed()
+    assert any('Use init_process_group("gloo")' in note for note in caught.value.__notes__)
+    assert isinstance(caught.value.__cause__, RemoteTraceback)
+
+
+def test_cpu_asked_for_or_gloo_used_brings_no_notice(tmp_path):
+    done = run_seed_code(tmp_path, 'accelerator_type="CPU"', "gloo")
+    assert done.returncode == 0, done.stderr
+    assert "no GPU found" not in done.stderr and "[1, 1]" in done.stdout

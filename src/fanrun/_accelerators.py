@@ -156,6 +156,8 @@ class Plan:
     use_gpus: bool
     description: str  # "2 x NVIDIA H200", "2 CPU processes"
     accelerator_type: str  # "GPU_2xH200" or "CPU"
+    # Where GPUs were looked for and none was found: what was started instead, for the caller to show.
+    notice: str = ""
 
 
 def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, inventory: Inventory) -> Plan:
@@ -179,7 +181,11 @@ def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, i
     if num_accelerators is None:
         num_accelerators = DEFAULT_CPU_RANKS
     noun = "process" if num_accelerators == 1 else "processes"
-    return Plan(num_accelerators, False, f"{num_accelerators} CPU {noun}", "CPU")
+    description = f"{num_accelerators} CPU {noun}"
+    notice = ""
+    if not inventory.visible and not (request and request.cpu):
+        notice = f'no GPU found: {description}; use the gloo backend (init_process_group("gloo"))'
+    return Plan(num_accelerators, False, description, "CPU", notice)
 
 
 def _check_type_matches(request: AcceleratorRequest, inventory: Inventory) -> None:

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         # A rank's own exception (its traceback is in the rank's output above), or bad input.
         origin = "a rank failed: " if isinstance(error.__cause__, RemoteTraceback) else ""
         print(f"fanrun: {origin}{type(error).__name__}: {error}", file=sys.stderr)
+        for note in getattr(error, "__notes__", []):
+            print(note, file=sys.stderr)
         return 1
 
 

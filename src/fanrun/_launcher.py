@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import _core
+from . import _core, _hints
 from ._accelerators import Plan
 from ._errors import RankFailedError, RemoteTraceback, ResultSerializationError, RunTimeoutError
 from ._output import OutputMux
@@ -74,6 +74,8 @@ def run(
     `extra_env` is set in every rank on top of the caller's environment (fanrun's own
     variables still win); `on_paths` learns the run's files before any rank starts, so
     that the caller can read the logs afterwards, whatever the outcome."""
+    if plan.notice:
+        print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
     paths = RunPaths.create(name)
     if on_paths is not None:
         on_paths(paths)
@@ -118,6 +120,10 @@ def run(
             finally:
                 mux.close()
         return _outcome(name, supervisor, paths, mux, stacks, timeout, collect=payload is not None)
+    except Exception as error:
+        if not plan.use_gpus:
+            _hints.note_gpu_call_on_cpu(error, plan.description)
+        raise
     finally:
         if rendezvous is not None:
             rendezvous.close()
