@@ -37,6 +37,9 @@ RANK_DEFAULTS = {
 }
 
 
+_notices_shown: set[str] = set()
+
+
 @dataclasses.dataclass
 class RankProgram:
     """What every rank runs: fanrun's worker in a mode, or a native program."""
@@ -74,7 +77,9 @@ def run(
     `extra_env` is set in every rank on top of the caller's environment (fanrun's own
     variables still win); `on_paths` learns the run's files before any rank starts, so
     that the caller can read the logs afterwards, whatever the outcome."""
-    if plan.notice:
+    if plan.notice and plan.notice not in _notices_shown:
+        # Once per process: a notebook that calls again knows it by then.
+        _notices_shown.add(plan.notice)
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
     paths = RunPaths.create(name)
     if on_paths is not None:
