@@ -29,6 +29,7 @@ SMOKE_RUNS = {
                        "Failure latency", "Goals", "Leftover processes:\n  none"]),
     "loader_transfer.py": ([], ["bytes/batch", "CPU ratio", "1048576"]),
     "read_through.py": (["--dir", "{tmp}"], ["cat x2:", "whole x2:", "read_through x2:"]),
+    "results.py": ([], ["cost of returning s", "torch.save+load s", "Goal: returning costs at most 1.5x"]),
     "throughput.py": ([], ["fanrun/torchrun", "ddp ", "fsdp "]),
     "tracking.py": ([], ["| mode |", "log_metric every step (fanrun's default)", "vs off"]),
 }
@@ -57,7 +58,7 @@ def test_benchmark_smoke_run_prints_its_report(script, tmp_path):
 
 def gpu_session_steps() -> list[tuple[str, list[str]]]:
     parts = ["checks", "examples", "gpu-tests", "notebooks", "throughput", "launch", "tracking",
-             "checkpoint-tests", "checkpoint"]
+             "checkpoint-tests", "checkpoint", "results"]
     done = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), *parts], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -92,18 +93,19 @@ def load_benchmark(name: str):
     return module
 
 
-def test_checkpoint_benchmark_gpu_arguments_are_valid():
-    """The GPU session's checkpoint step parses, and the decorator it builds for --device cuda is
-    accepted and plans one rank per GPU on a machine with two."""
+@pytest.mark.parametrize("benchmark", ["checkpoint", "results"])
+def test_gpu_step_arguments_are_valid(benchmark):
+    """The GPU session's step of the benchmark parses, and the decorator it builds for --device
+    cuda is accepted and plans one rank per GPU on a machine with two."""
     from fanrun import distributed
     from fanrun._accelerators import Gpu, Inventory, parse_accelerator_type, plan_run
 
-    checkpoint = load_benchmark("checkpoint")
-    (command,) = [c for name, c in gpu_session_steps() if name == "checkpoint"]
-    args = checkpoint.parse_args(command[2:])
+    module = load_benchmark(benchmark)
+    (command,) = [c for name, c in gpu_session_steps() if name == benchmark]
+    args = module.parse_args(command[2:])
     assert args.device == "cuda"
-    for ranks in args.ranks:
-        arguments = checkpoint.decorator_arguments(ranks, args.device)
+    for ranks in args.ranks if isinstance(args.ranks, list) else [args.ranks]:
+        arguments = module.decorator_arguments(ranks, args.device)
         distributed(**arguments)(lambda: None)  # raises for an argument @distributed rejects
         gpus = tuple(Gpu(i, "NVIDIA H200", f"GPU-{i}", 141 << 30) for i in range(2))
         plan = plan_run(arguments["num_accelerators"], parse_accelerator_type(arguments["accelerator_type"]),

@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import _core, _hints
+from . import _core, _hints, _result_file
 from ._accelerators import Plan
 from ._errors import RankFailedError, RemoteTraceback, ResultSerializationError, RunTimeoutError
 from ._output import OutputMux
@@ -253,8 +253,7 @@ def _outcome(name, supervisor, paths, mux, stacks, timeout, collect: bool) -> li
     results = []
     for rank in range(world_size):
         try:
-            with open(paths.result(rank), "rb") as file:
-                results.append(pickle.load(file))
+            results.append(_result_file.read(paths.result(rank)))
         except FileNotFoundError:
             raise RankFailedError(
                 f"Rank {rank} of {world_size} (pid {supervisor.pid(rank)}) exited with code 0 but returned "

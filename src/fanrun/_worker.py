@@ -126,32 +126,21 @@ def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: i
 
 
 def _send_result(run_dir: Path, rank: int, result: object) -> None:
+    import cloudpickle
+    import runpy
+
+    result_file = runpy.run_path(os.path.join(os.path.dirname(__file__), "_result_file.py"))
     path = run_dir / f"rank_{rank}.result"
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        with os.fdopen(fd, "wb") as out:
-            _result_pickler_class()(out, protocol=pickle.HIGHEST_PROTOCOL).dump(result)
+        result_file["write"](fd, result, cloudpickle.CloudPickler)
     except Exception as error:
         tmp.unlink(missing_ok=True)
         _fail(run_dir, rank, "result", error, result_type=_type_name(result))
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
-
-
-def _result_pickler_class():
-    import cloudpickle
-
-    class ResultPickler(cloudpickle.CloudPickler):
-        """Sends CUDA tensors back as CPU tensors: unpickling a CUDA tensor would start
-        CUDA in the caller, which may have no GPU or must keep CUDA uninitialised."""
-
-        def reducer_override(self, obj):
-            torch = sys.modules.get("torch")
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-            return super().reducer_override(obj)
-
-    return ResultPickler
 
 
 def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type: str = "") -> None:
