@@ -392,7 +392,7 @@ def usable(methods: list[str]) -> tuple[list[str], list[str]]:
     import torch
 
     # Without the pin, pip may replace the installed torch to match a newer torchvision.
-    install = f"pip install '.[bench]' torch=={torch.__version__.split('+')[0]}"
+    install = f"pip install webdataset mosaicml-streaming torch=={torch.__version__.split('+')[0]}"
     reasons = {}
     if nginx_binary() is None:
         reasons["http"] = "nginx is not installed (Debian's nginx-light; `make test-python` installs it)"
