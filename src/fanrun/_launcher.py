@@ -17,7 +17,7 @@ from . import _core
 from ._accelerators import Plan
 from ._errors import RankFailedError, RemoteTraceback, ResultSerializationError, RunTimeoutError
 from ._output import OutputMux
-from ._paths import RunPaths, write_private
+from ._paths import RunPaths
 from ._rendezvous import Rendezvous
 from ._worker import STACK_DUMP_SIGNAL, bootstrap_code
 
@@ -75,14 +75,14 @@ def run(
     variables still win); `on_paths` learns the run's files before any rank starts, so
     that the caller can read the logs afterwards, whatever the outcome."""
     paths = RunPaths.create(name)
-    if on_paths is not None:
-        on_paths(paths)
     base_env = {**os.environ, **(extra_env or {})}
     world_size = plan.world_size
     rendezvous = None
     try:
+        if on_paths is not None:
+            on_paths(paths)
         if payload is not None:
-            write_private(paths.payload, pickle.dumps({"sys_path": list(sys.path)}), payload)
+            paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), payload)
         rendezvous = Rendezvous(host_store=program.python)
         envs = [
             _flatten(rank_environment(base_env, rank, plan, rendezvous.environment(), paths))
@@ -121,7 +121,10 @@ def run(
     finally:
         if rendezvous is not None:
             rendezvous.close()
-        paths.remove_bulky_files(world_size)
+        try:
+            paths.remove_bulky_files(world_size)
+        finally:
+            paths.close()
 
 
 def rank_environment(
@@ -242,7 +245,7 @@ def _outcome(name, supervisor, paths, mux, stacks, timeout, collect: bool) -> li
     results = []
     for rank in range(world_size):
         try:
-            with open(paths.result(rank), "rb") as file:
+            with paths.open_result(rank) as file:
                 results.append(pickle.load(file))
         except FileNotFoundError:
             raise RankFailedError(
