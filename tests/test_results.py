@@ -79,11 +79,16 @@ def test_a_damaged_result_file_is_a_clear_error(tmp_path):
         _result_file.write(fd, {"x": torch.ones(1 << 20)}, cloudpickle.CloudPickler)
     finally:
         os.close(fd)
-    assert torch.equal(_result_file.read(path)["x"], torch.ones(1 << 20))
+
+    def read():
+        with open(path, "rb") as file:
+            return _result_file.read(file, path)
+
+    assert torch.equal(read()["x"], torch.ones(1 << 20))
     size = path.stat().st_size
     os.truncate(path, size - 1)
     with pytest.raises(ValueError, match="is cut short"):
-        _result_file.read(path)
+        read()
     path.write_bytes(b"not a result")
     with pytest.raises(ValueError, match="not one a fanrun rank wrote"):
-        _result_file.read(path)
+        read()

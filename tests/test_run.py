@@ -9,7 +9,7 @@ import textwrap
 import threading
 
 import fanrun
-from fanrun import distributed
+from fanrun import _paths, distributed
 
 TORCHRUN_VARIABLES = [
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
@@ -173,7 +173,7 @@ def test_results_files_are_private_and_removed(runs_dir):
 
     run_dir, dir_mode, payload_mode = where.distributed()[0]
     assert (dir_mode, payload_mode) == (0o700, 0o600)
-    assert sorted(os.listdir(run_dir)) == ["rank_0.log"]
+    assert sorted(os.listdir(run_dir)) == [_paths.RUN_MARKER, "rank_0.log"]
 
 
 def test_version_is_exposed():

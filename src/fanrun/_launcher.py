@@ -17,7 +17,7 @@ from . import _core, _hints, _result_file
 from ._accelerators import Plan
 from ._errors import RankFailedError, RemoteTraceback, ResultSerializationError, RunTimeoutError
 from ._output import OutputMux
-from ._paths import RunPaths, write_private
+from ._paths import RunPaths
 from ._rendezvous import Rendezvous
 from ._worker import STACK_DUMP_SIGNAL, bootstrap_code
 
@@ -82,14 +82,14 @@ def run(
         _notices_shown.add(plan.notice)
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
     paths = RunPaths.create(name)
-    if on_paths is not None:
-        on_paths(paths)
     base_env = {**os.environ, **(extra_env or {})}
     world_size = plan.world_size
     rendezvous = None
     try:
+        if on_paths is not None:
+            on_paths(paths)
         if payload is not None:
-            write_private(paths.payload, pickle.dumps({"sys_path": list(sys.path)}), payload)
+            paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), payload)
         rendezvous = Rendezvous(host_store=program.python)
         envs = [
             _flatten(rank_environment(base_env, rank, plan, rendezvous.environment(), paths))
@@ -132,7 +132,10 @@ def run(
     finally:
         if rendezvous is not None:
             rendezvous.close()
-        paths.remove_bulky_files(world_size)
+        try:
+            paths.remove_bulky_files(world_size)
+        finally:
+            paths.close()
 
 
 def rank_environment(
@@ -253,7 +256,8 @@ def _outcome(name, supervisor, paths, mux, stacks, timeout, collect: bool) -> li
     results = []
     for rank in range(world_size):
         try:
-            results.append(_result_file.read(paths.result(rank)))
+            with paths.open_result(rank) as file:
+                results.append(_result_file.read(file, paths.result(rank)))
         except FileNotFoundError:
             raise RankFailedError(
                 f"Rank {rank} of {world_size} (pid {supervisor.pid(rank)}) exited with code 0 but returned "

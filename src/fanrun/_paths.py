@@ -1,50 +1,96 @@
-"""RunPaths: every file of one run, built in one place, in a directory only the caller's user can read."""
+"""RunPaths: every file of one run, built in one place, in a directory only the caller's user can read.
+
+The runs root may hold other things than fanrun's runs (a user's FANRUN_RUNS_DIR can be any
+folder). A directory there is a run of fanrun's only if its name has fanrun's pattern, it is
+the caller's, and it holds RUN_MARKER, a file its caller keeps locked (flock) for as long as
+the call lasts. Pruning removes only such runs, and only when nobody holds their lock: a live
+call is never pruned, and a crashed caller's lock dies with its process.
+"""
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import os
 import re
 import secrets
 import shutil
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
-# Older run directories beyond this many are removed when a new run starts.
+from ._private_dir import UnsafePathError, ensure_private_dir, open_private
+
+# Finished runs beyond the newest this many are removed when a new run starts.
 KEEP_RUNS = 100
+# In each run directory: marks it as fanrun's, and is locked while its call lasts.
+RUN_MARKER = ".fanrun-run"
+# A run directory's name: the time to the microsecond (so names sort oldest first), the
+# function's name, and a random part.
+_RUN_NAME = re.compile(r"\d{8}-\d{6}-\d{6}-[A-Za-z0-9_.-]{1,40}-[0-9a-f]{6}")
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def runs_root() -> Path:
-    """$FANRUN_RUNS_DIR, else ~/.cache/fanrun/runs (or a private temp folder when home is read-only)."""
+def open_runs_root() -> tuple[Path, int]:
+    """The runs root and a descriptor of it: $FANRUN_RUNS_DIR, else $XDG_CACHE_HOME/fanrun/runs
+    (~/.cache by default), else, where that cannot be made, $TMPDIR/fanrun-<uid>/runs.
+    A root that is not the caller's alone is refused (UnsafePathError), never replaced."""
     configured = os.environ.get("FANRUN_RUNS_DIR")
     if configured:
-        return Path(configured)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    root = Path(cache) / "fanrun" / "runs"
+        return _open_root(Path(configured), under=None)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
     try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return root
+        return _open_root(cache / "fanrun" / "runs", under=cache)
+    except UnsafePathError:
+        raise
     except OSError:
-        return Path(tempfile.gettempdir()) / f"fanrun-{os.getuid()}" / "runs"
+        # A read-only or broken home. In a shared $TMPDIR, every level made there is checked.
+        tmp = Path(tempfile.gettempdir())
+        return _open_root(tmp / f"fanrun-{os.getuid()}" / "runs", under=tmp)
+
+
+def _open_root(path: Path, under: Path | None) -> tuple[Path, int]:
+    path = Path(os.path.abspath(path))
+    try:
+        return path, ensure_private_dir(path, under=under)
+    except UnsafePathError as error:
+        raise UnsafePathError(
+            f"fanrun will not keep its runs in {path}: {error}. Use a directory that you own and that only "
+            f"you can write: fix this one (chown it to yourself, chmod 700), remove it so that fanrun makes it "
+            f"afresh, or set FANRUN_RUNS_DIR to a directory of your own (its real path, not a link)."
+        ) from None
 
 
 class RunPaths:
-    def __init__(self, directory: Path) -> None:
+    """One run's directory, held open and locked from create() until close()."""
+
+    def __init__(self, directory: Path, dir_fd: int, lock_fd: int) -> None:
         self.directory = directory
         self.run_id = directory.name
+        self._dir_fd = dir_fd
+        self._lock_fd = lock_fd
 
     @classmethod
     def create(cls, name: str) -> RunPaths:
-        root = runs_root()
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40] or "run"
-        directory = root / f"{stamp}-{safe}-{secrets.token_hex(3)}"
-        # mode 0700 whatever the umask: payloads and results are the caller's alone.
-        directory.mkdir(mode=0o700)
-        os.chmod(directory, 0o700)
-        _prune(root, keep=KEEP_RUNS)
-        return cls(directory)
+        root, root_fd = open_runs_root()
+        try:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40] or "run"
+            run_name = f"{stamp}-{safe}-{secrets.token_hex(3)}"
+            # mkdir is atomic and fails where the name exists: a run never reuses a directory.
+            os.mkdir(run_name, 0o700, dir_fd=root_fd)
+            dir_fd = os.open(run_name, _DIRECTORY_FLAGS, dir_fd=root_fd)
+            paths = cls(root / run_name, dir_fd, -1)
+            try:
+                os.fchmod(dir_fd, 0o700)  # whatever the umask: payloads and results are the caller's alone
+                paths._lock_fd = _hold_marker(dir_fd)
+                _prune(root_fd, keep=KEEP_RUNS)
+            except BaseException:
+                paths.close()
+                raise
+            return paths
+        finally:
+            os.close(root_fd)
 
     @property
     def payload(self) -> Path:
@@ -59,29 +105,84 @@ class RunPaths:
     def error(self, rank: int) -> Path:
         return self.directory / f"rank_{rank}.error"
 
+    def write_payload(self, *chunks: bytes) -> None:
+        """Writes the payload, 0600, under a temporary name, fsynced, then renamed into place."""
+        name = self.payload.name
+        fd = open_private(self._dir_fd, name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            for chunk in chunks:
+                with memoryview(chunk) as view:
+                    written = 0
+                    while written < len(view):
+                        written += os.write(fd, view[written:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(name + ".tmp", name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+
+    def open_result(self, rank: int) -> BinaryIO:
+        """A rank's result file, opened in the run directory only if it is private to the caller."""
+        return os.fdopen(open_private(self._dir_fd, self.result(rank).name, os.O_RDONLY), "rb")
+
     def remove_bulky_files(self, world_size: int) -> None:
         """Keeps logs and error files; drops the payload and results, which can be large."""
         for path in [self.payload, *(self.result(r) for r in range(world_size))]:
-            path.unlink(missing_ok=True)
+            try:
+                os.unlink(path.name, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Ends the run's hold on its directory: from now on it may be pruned."""
+        for fd in (self._lock_fd, self._dir_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._lock_fd = self._dir_fd = -1
 
 
-def write_private(path: Path, *chunks: bytes) -> None:
-    """Writes a file readable by its owner alone: a temporary name, fsync, then rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+def _hold_marker(dir_fd: int) -> int:
+    """Creates the run's marker already locked, under a temporary name renamed into place:
+    a pruner never finds the marker of a live run unlocked."""
+    pending = RUN_MARKER + ".new"
+    fd = open_private(dir_fd, pending, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
-        for chunk in chunks:
-            with memoryview(chunk) as view:
-                written = 0
-                while written < len(view):
-                    written += os.write(fd, view[written:])
-        os.fsync(fd)
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else can have this new file open: never waits
+        os.rename(pending, RUN_MARKER, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return fd
+    except BaseException:
         os.close(fd)
-    os.replace(tmp, path)
+        raise
 
 
-def _prune(root: Path, keep: int) -> None:
-    runs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name)
-    for old in runs[:-keep] if len(runs) > keep else []:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(root_fd: int, keep: int) -> None:
+    """Removes the oldest finished runs beyond the newest `keep`; nothing else is touched."""
+    with os.scandir(root_fd) as entries:
+        names = sorted(e.name for e in entries if _RUN_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+    for name in names[: max(0, len(names) - keep)]:
+        _remove_if_finished(root_fd, name)
+
+
+def _remove_if_finished(root_fd: int, name: str) -> None:
+    try:
+        dir_fd = os.open(name, _DIRECTORY_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return  # removed meanwhile by another caller's pruning, or not a directory
+    try:
+        if os.fstat(dir_fd).st_uid != os.geteuid():
+            return
+        try:
+            marker = open_private(dir_fd, RUN_MARKER, os.O_RDONLY)
+        except OSError:
+            return  # no marker of the caller's (or a link): not a run fanrun made
+        try:
+            fcntl.flock(marker, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(marker)
+            return  # its caller is alive
+        try:
+            # The lock is held while removing: another pruner finds the marker locked, or gone.
+            shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
+        finally:
+            os.close(marker)
+    finally:
+        os.close(dir_fd)

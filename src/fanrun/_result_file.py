@@ -16,6 +16,7 @@ import os
 import pickle
 import struct
 import sys
+from typing import BinaryIO
 
 MAGIC = b"FANRUNR\x01"
 ALIGN = 4096  # a page: each buffer can be mapped where it lies
@@ -49,12 +50,11 @@ def write(fd: int, result: object, pickler_base: type) -> None:
         _write_all(fd, view, offset)
 
 
-def read(path: str | os.PathLike) -> object:
-    """The result in the file at path: its buffers are mapped copy-on-write, so tensors built on
-    them are writable and cost no copy until written."""
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
+def read(file: BinaryIO, path: object) -> object:
+    """The result in the open file (named `path` in errors): its buffers are mapped copy-on-write,
+    so tensors built on them are writable and cost no copy until written."""
+    size = os.fstat(file.fileno()).st_size
+    mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
     data = memoryview(mapped)
     fields = _header(data, path)
     pickle_offset, pickle_length, spans = fields

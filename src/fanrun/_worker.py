@@ -8,10 +8,12 @@ library: a rank's start-up time is the user's imports and nothing more.
 from __future__ import annotations
 
 import atexit
+import errno
 import faulthandler
 import os
 import pickle
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -87,7 +89,7 @@ def _exit_before_teardown() -> None:
 
 
 def _run_function(run_dir: Path, rank: int) -> None:
-    with open(run_dir / "payload.pkl", "rb") as payload:
+    with _open_payload(run_dir) as payload:
         header = pickle.load(payload)
         sys.path[:] = header["sys_path"]
         try:
@@ -103,6 +105,46 @@ def _run_function(run_dir: Path, rank: int) -> None:
     except BaseException as error:
         _fail(run_dir, rank, "exception", error)
     _send_result(run_dir, rank, result)
+
+
+def _open_payload(run_dir: Path):
+    """The call's payload, opened through the run directory's descriptor without following a
+    link, and only if both are this user's alone: unpickling it runs code, so a file that
+    someone else made, or could have changed, is never read."""
+    uid = os.geteuid()
+    # The directory first: once it is this user's and nobody else can write it, nothing in it
+    # can be another user's plant.
+    dir_fd = _open_owned(str(run_dir), os.O_DIRECTORY, None, run_dir, uid, others=0o022)
+    try:
+        fd = _open_owned("payload.pkl", 0, dir_fd, run_dir / "payload.pkl", uid, others=0o077)
+    finally:
+        os.close(dir_fd)
+    return os.fdopen(fd, "rb")
+
+
+def _open_owned(name: str, flags: int, dir_fd: int | None, where: Path, uid: int, others: int) -> int:
+    """Opens name (relative to dir_fd) read-only, without following a link; refuses it unless
+    uid owns it and none of the `others` mode bits is set, and unless a file is a regular one."""
+    try:
+        fd = os.open(name, flags | os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as error:
+        # O_NOFOLLOW with O_DIRECTORY reports a link as "not a directory".
+        if error.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
+            raise PermissionError(f"fanrun: {where} is a symbolic link, which a rank never follows to its payload") from None
+        raise
+    info = os.fstat(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    problem = None
+    if info.st_uid != uid:
+        problem = f"belongs to uid {info.st_uid}, not to this rank's user (uid {uid})"
+    elif mode & others:
+        problem = f"is open to other users (mode {mode:04o})"
+    elif not flags & os.O_DIRECTORY and not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    if problem is not None:
+        os.close(fd)
+        raise PermissionError(f"fanrun: {where} {problem}; a rank unpickles no payload that anyone else could have written")
+    return fd
 
 
 def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: int) -> None:
