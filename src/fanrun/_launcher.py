@@ -15,7 +15,12 @@ from pathlib import Path
 
 from . import _core
 from ._accelerators import Plan
-from ._errors import RankFailedError, RemoteTraceback, ResultSerializationError, RunTimeoutError
+from ._errors import (
+    RankFailedError,
+    RemoteTraceback,
+    ResultSerializationError,
+    RunTimeoutError,
+)
 from ._output import OutputMux
 from ._paths import RunPaths, write_private
 from ._rendezvous import Rendezvous
@@ -25,6 +30,9 @@ from ._worker import STACK_DUMP_SIGNAL, bootstrap_code
 KILL_GRACE_S = 5.0
 # How long ranks get to write their stacks at a timeout before they are stopped.
 STACK_DUMP_WAIT_S = 1.0
+# Each rank runs under a keeper of its own, which ends every process the rank started when the
+# rank ends or the caller dies (cpp/include/fanrun/kept_process.h).
+KEEPER = str(Path(__file__).with_name("fanrun-keeper"))
 # Set in every rank unless the caller set them (Megatron-LM measured 1012 s vs 26 s
 # without OMP_NUM_THREADS when ranks oversubscribe the cores).
 RANK_DEFAULTS = {
@@ -102,22 +110,25 @@ def run(
                 stack_dump_wait_s=STACK_DUMP_WAIT_S,
                 wakeup_fd=wakeup.read_fd,
                 control_channel=True,
+                # A function's rank that ends without its result or its error has failed.
+                expect_done=payload is not None,
+                keeper=KEEPER,
             )
-            stacks: dict[int, list[str]] = {}
+            timeout_report = _TimeoutReport(python=program.python)
             try:
-                _pump(supervisor, mux, wakeup, stacks)
+                _pump(supervisor, mux, wakeup, timeout_report)
             except BaseException:
                 # Interrupted (Ctrl+C, a kernel interrupt) or broken: stop every rank
                 # before the exception leaves, and keep relaying output meanwhile.
                 supervisor.cancel()
                 try:
-                    _pump(supervisor, mux, wakeup, stacks)
+                    _pump(supervisor, mux, wakeup, timeout_report)
                 except BaseException:
                     supervisor.kill_and_reap()  # a second interrupt: no more grace
                 raise
             finally:
                 mux.close()
-        return _outcome(name, supervisor, paths, mux, stacks, timeout, collect=payload is not None)
+        return _outcome(name, supervisor, paths, mux, timeout_report, timeout, collect=payload is not None)
     finally:
         if rendezvous is not None:
             rendezvous.close()
@@ -162,25 +173,84 @@ def _flatten(env: Mapping[str, str]) -> list[str]:
     return [f"{key}={value}" for key, value in env.items()]
 
 
-def _pump(supervisor, mux: OutputMux, wakeup: _SignalWakeup, stacks: dict[int, list[str]]) -> None:
-    captured: dict[int, list[str]] | None = None
+def _pump(supervisor, mux: OutputMux, wakeup: _SignalWakeup, timeout_report: _TimeoutReport) -> None:
     while True:
         events, interrupted, done = supervisor.wait()
-        # The stack-dump signal went out inside that wait: this batch may hold the dumps.
-        if captured is None and supervisor.stop_reason == "timeout":
-            captured = mux.capture_stderr()
         for kind, rank, stream, segment, data, _exit in events:
             if kind == _core.EVENT_OUTPUT:
                 mux.write(rank, stream, segment, data)
+            elif kind == _core.EVENT_TIMED_OUT:
+                # The stack-dump signal is out and the ranks still run: from here, stderr is
+                # kept, and what stands in the way of a dump can still be seen.
+                timeout_report.start(supervisor, mux)
         mux.flush()
         if interrupted:
             # Python's own handler runs as soon as this returns to the loop: a
             # KeyboardInterrupt is raised right here, between two waits.
             wakeup.drain()
         if done:
-            if captured is not None:
-                stacks.update(captured)
             return
+
+
+class _TimeoutReport:
+    """What the ranks still running at a timeout left: each one's dumped stack, or why none came."""
+
+    def __init__(self, python: bool) -> None:
+        self._python = python
+        self._captured: dict[int, list[str]] = {}
+        self._obstacles: dict[int, str] = {}
+
+    def start(self, supervisor, mux: OutputMux) -> None:
+        self._captured = mux.capture_stderr()
+        if self._python:
+            for rank in supervisor.ranks_running_at_timeout:
+                obstacle = _dump_obstacle(supervisor.pid(rank), STACK_DUMP_SIGNAL)
+                if obstacle is not None:
+                    self._obstacles[rank] = obstacle
+
+    def split(self, running: list[int]) -> tuple[dict[int, list[str]], dict[int, str]]:
+        """(the stacks dumped, by rank; why each other running rank has none)."""
+        stacks, missing = {}, {}
+        for rank in running:
+            lines = self._captured.get(rank, [])
+            if any(_STACK_HEADER in line for line in lines):
+                stacks[rank] = lines
+            elif not self._python:
+                missing[rank] = "a native program has no Python stack to dump"
+            else:
+                missing[rank] = self._obstacles.get(
+                    rank, f"it wrote no stack within {STACK_DUMP_WAIT_S:g} s of {STACK_DUMP_SIGNAL.name}"
+                )
+        return stacks, missing
+
+
+# What faulthandler writes above every thread's stack.
+_STACK_HEADER = "(most recent call first)"
+
+
+def _dump_obstacle(pid: int, signo: signal.Signals) -> str | None:
+    """Why `pid` cannot answer `signo` with a stack, as far as /proc tells; None if nothing seen."""
+    bit = 1 << (signo - 1)
+    try:
+        status = _proc_status(f"/proc/{pid}/status")
+        threads = [_proc_status(f"/proc/{pid}/task/{tid}/status") for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return None
+    state = status.get("State", "")
+    if state[:1] in ("T", "t"):
+        return f"it is stopped ({state}: SIGSTOP or a debugger)"
+    if int(status.get("SigIgn", "0"), 16) & bit:
+        return f"it ignores {signo.name}"
+    if threads and all(int(thread.get("SigBlk", "0"), 16) & bit for thread in threads):
+        return f"it blocks {signo.name} in every thread"
+    if not int(status.get("SigCgt", "0"), 16) & bit:
+        return f"it has no handler for {signo.name} (faulthandler's was removed)"
+    return None
+
+
+def _proc_status(path: str) -> dict[str, str]:
+    with open(path) as file:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in file if ":\t" in line)
 
 
 class _SignalWakeup:
@@ -228,12 +298,18 @@ class _SignalWakeup:
         os.close(self._write_fd)
 
 
-def _outcome(name, supervisor, paths, mux, stacks, timeout, collect: bool) -> list[object]:
+def _outcome(name, supervisor, paths, mux, timeout_report: _TimeoutReport, timeout, collect: bool) -> list[object]:
     world_size = supervisor.world_size
     reason = supervisor.stop_reason
     if reason == "timeout":
         running = list(supervisor.ranks_running_at_timeout)
-        raise RunTimeoutError(_timeout_message(name, timeout, running, stacks, paths), running_ranks=running, stacks=stacks)
+        stacks, missing = timeout_report.split(running)
+        raise RunTimeoutError(
+            _timeout_message(name, timeout, running, stacks, missing, paths),
+            running_ranks=running,
+            stacks=stacks,
+            missing_stacks=missing,
+        )
     if reason == "rank_failed":
         error = _root_cause(supervisor.first_failed_rank, supervisor, paths, mux)
         raise error from error.__cause__
@@ -246,8 +322,8 @@ def _outcome(name, supervisor, paths, mux, stacks, timeout, collect: bool) -> li
                 results.append(pickle.load(file))
         except FileNotFoundError:
             raise RankFailedError(
-                f"Rank {rank} of {world_size} (pid {supervisor.pid(rank)}) exited with code 0 but returned "
-                f"no result: did the function call os._exit()?{_tail_text(mux, rank)}\nFull log: {paths.log(rank)}",
+                f"Rank {rank} of {world_size} (pid {supervisor.pid(rank)}) returned, but its result file "
+                f"{paths.result(rank)} is gone: was the run directory removed during the call?\nFull log: {paths.log(rank)}",
                 rank=rank,
                 pid=supervisor.pid(rank),
                 exit_code=0,
@@ -302,6 +378,14 @@ def _root_cause(rank: int, supervisor, paths: RunPaths, mux: OutputMux) -> BaseE
         elif signo in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL):
             message += ", a crash in native code; its Python stack, if it had one, is in its stderr"
         return RankFailedError(message + f".{_tail_text(mux, rank)}\nFull log: {log}", signal_name=name, **common)
+    if code == 0:
+        # Only a function's rank fails with code 0: it ended without writing its result or error.
+        return RankFailedError(
+            f"{who} exited with code 0 without returning a result: the function neither returned nor raised "
+            f"(os._exit(0), or a library that ended the process).{_tail_text(mux, rank)}\nFull log: {log}",
+            exit_code=0,
+            **common,
+        )
     return RankFailedError(f"{who} exited with code {code}.{_tail_text(mux, rank)}\nFull log: {log}", exit_code=code, **common)
 
 
@@ -354,13 +438,21 @@ def _tail_text(mux: OutputMux, rank: int, lines: int = 20) -> str:
     return "\nLast lines of its stderr:\n" + "\n".join("    " + line for line in tail)
 
 
-def _timeout_message(name, timeout, running, stacks, paths, lines_per_rank: int = 40) -> str:
-    parts = [
-        f"{name!r} timed out after {timeout:g} s; ranks still running: {', '.join(map(str, running)) or 'none'}. "
-        f"Every rank's Python stack was dumped before the kill:"
-    ]
+def _timeout_message(name, timeout, running, stacks, missing, paths, lines_per_rank: int = 40) -> str:
+    parts = [f"{name!r} timed out after {timeout:g} s; ranks still running: {', '.join(map(str, running)) or 'none'}."]
+    if stacks:
+        parts.append(f"Python stacks dumped before the kill: {_ranks(sorted(stacks))}.")
+    reasons: dict[str, list[int]] = {}
+    for rank, why in sorted(missing.items()):
+        reasons.setdefault(why, []).append(rank)
+    for why, ranks in reasons.items():
+        parts.append(f"No stack from {_ranks(ranks)}: {why}.")
     for rank in sorted(stacks):
         parts.append(f"--- rank {rank} ---")
         parts.extend(stacks[rank][:lines_per_rank])
     parts.append(f"Logs: {paths.directory}")
     return "\n".join(parts)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
