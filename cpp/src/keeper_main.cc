@@ -64,19 +64,14 @@ std::vector<std::string> NumericEntries(const std::string& directory) {
 class ProcessTree {
  public:
   std::vector<pid_t> Descendants() const {
+    std::map<pid_t, std::vector<pid_t>> scanned;
+    if (!children_lists_) scanned = ScanChildren();
     std::vector<pid_t> found;
-    const std::map<pid_t, std::vector<pid_t>> parents = children_lists_ ? std::map<pid_t, std::vector<pid_t>>() : ScanParents();
     std::vector<pid_t> pending{::getpid()};
     while (!pending.empty()) {
       const pid_t pid = pending.back();
       pending.pop_back();
-      std::vector<pid_t> children;
-      if (children_lists_) {
-        children = ChildrenFromLists(pid);
-      } else if (auto it = parents.find(pid); it != parents.end()) {
-        children = it->second;
-      }
-      for (pid_t child : children) {
+      for (pid_t child : children_lists_ ? ChildrenFromLists(pid) : scanned[pid]) {
         // A pid seen twice (a child that moved to us while we walked) is walked once.
         if (std::find(found.begin(), found.end(), child) != found.end()) continue;
         found.push_back(child);
@@ -104,7 +99,7 @@ class ProcessTree {
   }
 
   // Without the kernel's lists (CONFIG_PROC_CHILDREN), every process's parent from its stat.
-  static std::map<pid_t, std::vector<pid_t>> ScanParents() {
+  static std::map<pid_t, std::vector<pid_t>> ScanChildren() {
     std::map<pid_t, std::vector<pid_t>> children;
     for (const std::string& name : NumericEntries("/proc")) {
       const std::string stat = ReadSmallFile("/proc/" + name + "/stat");
@@ -139,6 +134,7 @@ class Keeper {
   bool OwnerGone() const { return ::getppid() != owner_; }
 
   const pid_t owner_;
+  bool control_ = false;
   FileDescriptor signals_;
   std::optional<ChildProcess> program_;
   std::optional<ExitStatus> program_exit_;
@@ -147,6 +143,8 @@ class Keeper {
 };
 
 int Keeper::Run(const char* directory, const char* path, char** argv) {
+  // Before the keeper opens anything, which could take number 3 when no channel is there.
+  control_ = ::fcntl(kControl, F_GETFD) >= 0;
   Status st = Prepare();
   if (st.ok() && OwnerGone()) return 1;  // before the parent-death signal was armed: nothing started yet
   if (st.ok()) st = Start(directory, path, argv);
@@ -209,11 +207,10 @@ Status Keeper::Start(const char* directory, const char* path, char** argv) {
   for (char** entry = environ; *entry != nullptr; ++entry) options.env.emplace_back(*entry);
   options.stdout_fd = 1;
   options.stderr_fd = 2;
-  const bool control = ::fcntl(kControl, F_GETFD) >= 0;
-  if (control) options.control_fd = kControl;
+  if (control_) options.control_fd = kControl;
   FANRUN_ASSIGN_OR_RETURN(ChildProcess child, Spawn(options));
   program_.emplace(std::move(child));
-  if (control) ::close(kControl);  // the channel's end of the rank is the program's alone
+  if (control_) ::close(kControl);  // the channel's end of the rank is the program's alone
   return Status::OK();
 }
 

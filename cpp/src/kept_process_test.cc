@@ -62,6 +62,25 @@ TEST(KeptProcessTest, RunsTheProgramWithItsEnvironmentDirectoryAndPid) {
   EXPECT_TRUE(status->success());
 }
 
+TEST(KeptProcessTest, TheProgramHasAControlChannelAtFd3OnlyWhenGivenOne) {
+  const std::string script = "if [ -e /proc/$$/fd/3 ]; then echo open; else echo closed; fi";
+  for (bool control : {false, true}) {
+    auto out = MakePipe();
+    auto channel = MakePipe();
+    ASSERT_TRUE(out.ok() && channel.ok());
+    SpawnOptions options;
+    options.argv = ShellCommand(script);
+    options.env = MinimalEnv();
+    options.stdout_fd = out->write.fd();
+    options.control_fd = control ? channel->write.fd() : -1;
+    auto kept = KeptProcess::Start(KeeperPath(), options);
+    ASSERT_TRUE(kept.ok()) << kept.status().message();
+    ASSERT_TRUE(out->write.Close().ok());
+    EXPECT_EQ(ReadLines(out->read.fd(), 1), control ? "open\n" : "closed\n");
+    EXPECT_TRUE(kept->Wait()->success());
+  }
+}
+
 TEST(KeptProcessTest, ReportsTheProgramsExitCodeAndSignal) {
   auto exited = StartShell("exit 3", -1);
   ASSERT_TRUE(exited.ok());
