@@ -140,7 +140,7 @@ def test_exit_without_a_result_is_reported():
 
         os._exit(0)
 
-    with pytest.raises(fanrun.RankFailedError, match="exited with code 0 but returned no result"):
+    with pytest.raises(fanrun.RankFailedError, match="exited with code 0 without returning a result"):
         vanishes.distributed()
 
 

@@ -34,7 +34,8 @@ std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::s
                                             const std::vector<std::string>& log_paths, double timeout_s,
                                             double kill_grace_s, int stack_dump_signal,
                                             double stack_dump_wait_s, int wakeup_fd,
-                                            bool control_channel) {
+                                            bool control_channel, bool expect_done,
+                                            const std::string& keeper) {
   if (argvs.size() != envs.size() || argvs.size() != log_paths.size()) {
     ThrowIfError(Status::Invalid("argvs, envs and log_paths must have one entry per rank"));
   }
@@ -53,6 +54,8 @@ std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::s
   options.stack_dump_wait_s = stack_dump_wait_s;
   options.wakeup_fd = wakeup_fd;
   options.control_channel = control_channel;
+  options.expect_done = expect_done;
+  options.keeper_path = keeper;
   return ValueOrThrow(Supervisor::Start(std::move(options)));
 }
 
@@ -80,6 +83,7 @@ void BindSupervisor(nb::module_& m) {
   m.attr("EVENT_OUTPUT") = static_cast<int>(EventKind::kOutput);
   m.attr("EVENT_RANK_FAILED") = static_cast<int>(EventKind::kRankFailed);
   m.attr("EVENT_RANK_EXITED") = static_cast<int>(EventKind::kRankExited);
+  m.attr("EVENT_TIMED_OUT") = static_cast<int>(EventKind::kTimedOut);
   m.attr("SEGMENT_LINE") = static_cast<int>(SegmentKind::kLine);
   m.attr("SEGMENT_PARTIAL") = static_cast<int>(SegmentKind::kPartial);
   m.attr("SEGMENT_PROGRESS") = static_cast<int>(SegmentKind::kProgress);
@@ -88,7 +92,7 @@ void BindSupervisor(nb::module_& m) {
       .def_static("start", &StartSupervisor, nb::arg("argvs"), nb::arg("envs"), nb::arg("cwd"),
                   nb::arg("log_paths"), nb::arg("timeout_s"), nb::arg("kill_grace_s"),
                   nb::arg("stack_dump_signal"), nb::arg("stack_dump_wait_s"), nb::arg("wakeup_fd"),
-                  nb::arg("control_channel"))
+                  nb::arg("control_channel"), nb::arg("expect_done"), nb::arg("keeper"))
       .def("wait", &Wait)
       .def("cancel", &Supervisor::Cancel)
       .def("kill_and_reap", [](Supervisor& s) {

@@ -2,7 +2,10 @@
 #include "fanrun/fd.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 namespace fanrun {
 
@@ -35,7 +38,7 @@ int FileDescriptor::Release() {
 
 Result<Pipe> MakePipe() {
   int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) return Status::IOErrorFromErrno(errno, "Failed to create a pipe");
+  if (::pipe2(fds, O_CLOEXEC) != 0) return DescriptorError(errno, "Failed to create a pipe");
   return Pipe{FileDescriptor(fds[0]), FileDescriptor(fds[1])};
 }
 
@@ -47,14 +50,17 @@ Result<FileDescriptor> OpenFile(const std::string& path, int flags, int mode) {
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return Status::NotFound("Failed to open '", path, "': no such file or directory");
-    return Status::IOErrorFromErrno(err, "Failed to open '", path, "'");
+    return DescriptorError(err, internal::StrCat("Failed to open '", path, "'"));
   }
   return FileDescriptor(fd);
 }
 
 Result<FileDescriptor> DuplicateAbove(int fd, int min_fd) {
   const int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, min_fd);
-  if (dup < 0) return Status::IOErrorFromErrno(errno, "Failed to duplicate descriptor ", fd);
+  // EINVAL: min_fd is at or beyond the limit, so no number is free above it.
+  if (dup < 0) {
+    return DescriptorError(errno == EINVAL ? EMFILE : errno, internal::StrCat("Failed to duplicate descriptor ", fd));
+  }
   return FileDescriptor(dup);
 }
 
@@ -64,6 +70,22 @@ Status SetNonBlocking(int fd) {
     return Status::IOErrorFromErrno(errno, "Failed to make descriptor ", fd, " non-blocking");
   }
   return Status::OK();
+}
+
+Status DescriptorError(int err, const std::string& what) {
+  if (err == ENFILE) {
+    return Status::IOError(what, ": the system's table of open files is full (ENFILE; see sysctl fs.file-max)");
+  }
+  if (err != EMFILE) return Status::IOErrorFromErrno(err, what);
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  const rlim_t suggested = std::min<rlim_t>(std::max<rlim_t>(4096, 2 * limit.rlim_cur), limit.rlim_max);
+  const std::string hard = limit.rlim_max == RLIM_INFINITY ? std::string("unlimited") : std::to_string(limit.rlim_max);
+  return Status::IOError(what, ": out of file descriptors: this process may have at most ", limit.rlim_cur,
+                         " open (RLIMIT_NOFILE; its hard limit is ", hard,
+                         "). Raise it before starting Python, e.g. `ulimit -n ", suggested,
+                         "`, or in Python with resource.setrlimit(resource.RLIMIT_NOFILE, (", suggested,
+                         ", hard)), or run fewer ranks");
 }
 
 Status WriteAll(int fd, const void* data, size_t size) {

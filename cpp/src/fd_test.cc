@@ -3,7 +3,11 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <string>
 
 namespace fanrun {
 namespace {
@@ -45,6 +49,30 @@ TEST(FileDescriptorTest, DuplicateAboveGivesAHighCloseOnExecCopy) {
   ASSERT_TRUE(dup.ok());
   EXPECT_GE(dup->fd(), 100);
   EXPECT_TRUE(::fcntl(dup->fd(), F_GETFD) & FD_CLOEXEC);
+}
+
+TEST(FileDescriptorTest, OutOfDescriptorsNamesTheLimitAndTheWayOut) {
+  // In a child process, which may run out of descriptors without harming the test runner.
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    rlimit limit{};
+    ::getrlimit(RLIMIT_NOFILE, &limit);
+    limit.rlim_cur = 64;
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) ::_exit(2);
+    while (::open("/dev/null", O_RDONLY) >= 0) {
+    }
+    auto pipe = MakePipe();
+    const std::string message = pipe.ok() ? "" : pipe.status().message();
+    std::fprintf(stderr, "%s\n", message.c_str());
+    const bool named = message.find("Failed to create a pipe: out of file descriptors") == 0 &&
+                       message.find("at most 64 open (RLIMIT_NOFILE") != std::string::npos &&
+                       message.find("ulimit -n") != std::string::npos;
+    ::_exit(named ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the error did not name the descriptor limit";
 }
 
 }  // namespace

@@ -124,7 +124,8 @@ Result<std::string> ResolveExecutable(const std::string& argv0, const std::vecto
 
 Result<ChildProcess> Spawn(const SpawnOptions& options) {
   if (options.argv.empty()) return Status::Invalid("Cannot spawn a process with an empty argv");
-  FANRUN_ASSIGN_OR_RETURN(std::string path, ResolveExecutable(options.argv[0], options.env));
+  FANRUN_ASSIGN_OR_RETURN(std::string path, ResolveExecutable(options.executable.empty() ? options.argv[0] : options.executable,
+                                                              options.env));
 
   // Everything the child touches is built here, before fork: it may not allocate.
   std::vector<char*> argv;
@@ -134,8 +135,13 @@ Result<ChildProcess> Spawn(const SpawnOptions& options) {
   for (const auto& entry : options.env) envp.push_back(const_cast<char*>(entry.c_str()));
   envp.push_back(nullptr);
 
-  FANRUN_ASSIGN_OR_RETURN(FileDescriptor dev_null, OpenFile("/dev/null", O_RDONLY));
-  FANRUN_ASSIGN_OR_RETURN(FileDescriptor stdin_fd, DuplicateAbove(dev_null.fd(), kHighFd));
+  FileDescriptor stdin_fd;
+  if (options.stdin_fd >= 0) {
+    FANRUN_ASSIGN_OR_RETURN(stdin_fd, DuplicateAbove(options.stdin_fd, kHighFd));
+  } else {
+    FANRUN_ASSIGN_OR_RETURN(FileDescriptor dev_null, OpenFile("/dev/null", O_RDONLY));
+    FANRUN_ASSIGN_OR_RETURN(stdin_fd, DuplicateAbove(dev_null.fd(), kHighFd));
+  }
   FileDescriptor stdout_fd, stderr_fd, control_fd;
   if (options.stdout_fd >= 0) {
     FANRUN_ASSIGN_OR_RETURN(stdout_fd, DuplicateAbove(options.stdout_fd, kHighFd));
@@ -176,6 +182,9 @@ Result<ChildProcess> Spawn(const SpawnOptions& options) {
   }
   if (pidfd < 0) {
     // The ChildProcess destructor kills and reaps it.
+    if (pidfd_errno == EMFILE || pidfd_errno == ENFILE) {
+      return DescriptorError(pidfd_errno, internal::StrCat("pidfd_open failed for pid ", pid));
+    }
     return Status::IOErrorFromErrno(pidfd_errno, "pidfd_open failed for pid ", pid,
                                     " (fanrun needs Linux 5.3 or newer)");
   }

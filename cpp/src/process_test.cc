@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -154,6 +155,55 @@ TEST(SpawnTest, DroppingAChildKillsAndReapsIt) {
   // Reaped: not even a zombie is left.
   EXPECT_EQ(::kill(pid, 0), -1);
   EXPECT_EQ(errno, ESRCH);
+}
+
+TEST(SpawnTest, StandardInputAndTheFileToRunCanBeGiven) {
+  auto input = MakePipe();
+  ASSERT_TRUE(input.ok());
+  ASSERT_TRUE(WriteAll(input->write.fd(), "from stdin\n", 11).ok());
+  ASSERT_TRUE(input->write.Close().ok());
+  auto output = MakePipe();
+  ASSERT_TRUE(output.ok());
+  SpawnOptions options;
+  options.executable = "/bin/sh";
+  options.argv = {"a-name-of-its-own", "-c", "echo $0; cat"};
+  options.env = MinimalEnv();
+  options.stdin_fd = input->read.fd();
+  options.stdout_fd = output->write.fd();
+  auto child = Spawn(options);
+  ASSERT_TRUE(child.ok()) << child.status().message();
+  ASSERT_TRUE(output->write.Close().ok());
+  char buffer[64] = {0};
+  std::string out;
+  ssize_t n;
+  while ((n = ::read(output->read.fd(), buffer, sizeof(buffer))) > 0) out.append(buffer, static_cast<size_t>(n));
+  EXPECT_TRUE(child->Wait()->success());
+  EXPECT_EQ(out, "a-name-of-its-own\nfrom stdin\n");
+}
+
+TEST(SpawnTest, RunningOutOfDescriptorsNamesTheLimit) {
+  // In a child process, whose limit can be lowered without harming the test runner.
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    rlimit limit{};
+    ::getrlimit(RLIMIT_NOFILE, &limit);
+    limit.rlim_cur = 40;
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) ::_exit(2);
+    SpawnOptions options;
+    options.argv = ShellCommand("true");
+    options.env = MinimalEnv();
+    auto child = Spawn(options);
+    const std::string message = child.ok() ? "" : child.status().message();
+    std::fprintf(stderr, "%s\n", message.c_str());
+    const bool named = message.find("RLIMIT_NOFILE") != std::string::npos &&
+                       message.find("at most 40 open") != std::string::npos &&
+                       message.find("ulimit -n") != std::string::npos;
+    ::_exit(named ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the error did not name the descriptor limit";
 }
 
 TEST(SignalNameTest, KnownAndUnknownSignals) {

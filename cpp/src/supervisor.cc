@@ -13,6 +13,9 @@ namespace fanrun {
 namespace {
 
 constexpr size_t kReadChunk = 64 * 1024;
+// The messages a rank sends on its control channel, one a line.
+constexpr std::string_view kFailedMessage = "failed";
+constexpr std::string_view kDoneMessage = "done";
 
 std::chrono::steady_clock::duration Seconds(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
@@ -34,6 +37,10 @@ Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options)
     return Status::Invalid("Grace periods cannot be negative");
   }
   if (options.max_line_bytes == 0) return Status::Invalid("max_line_bytes must be positive");
+  if (options.keeper_path.empty()) return Status::Invalid("A run needs the path of fanrun-keeper");
+  if (options.expect_done && !options.control_channel) {
+    return Status::Invalid("expect_done needs the control channel");
+  }
   std::unique_ptr<Supervisor> supervisor(new Supervisor(std::move(options)));
   supervisor->ranks_.resize(supervisor->options_.ranks.size());
   for (size_t i = 0; i < supervisor->ranks_.size(); ++i) {
@@ -62,7 +69,7 @@ Status Supervisor::SpawnRank(size_t index) {
   spawn.stdout_fd = out.write.fd();
   spawn.stderr_fd = err.write.fd();
   spawn.control_fd = control.write.fd();
-  FANRUN_ASSIGN_OR_RETURN(ChildProcess child, Spawn(spawn));
+  FANRUN_ASSIGN_OR_RETURN(KeptProcess child, KeptProcess::Start(options_.keeper_path, spawn));
   rank.pid = child.pid();
   rank.process.emplace(std::move(child));
   // Only the child holds the write ends now, so its exit ends our reads.
@@ -85,9 +92,12 @@ Status Supervisor::SpawnRank(size_t index) {
 Supervisor::~Supervisor() { KillAndReap(); }
 
 void Supervisor::KillAndReap() {
+  // Every keeper is told first, so that they all clean up at the same time.
+  for (auto& rank : ranks_) {
+    if (!rank.exit && rank.process) rank.process->KillAll();
+  }
   for (auto& rank : ranks_) {
     if (rank.exit || !rank.process) continue;
-    FANRUN_WARN_NOT_OK(rank.process->SignalGroup(SIGKILL), "killing a rank");
     auto status = rank.process->Wait();
     if (status.ok()) rank.exit = *status;
     FANRUN_WARN_NOT_OK(status.status(), "reaping a rank");
@@ -142,9 +152,11 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
   while ((newline = r.control_buffer.find('\n')) != std::string::npos) {
     const std::string message = r.control_buffer.substr(0, newline);
     r.control_buffer.erase(0, newline + 1);
-    if (message == "failed") {
+    if (message == kFailedMessage) {
       events.push_back(Event{EventKind::kRankFailed, static_cast<int>(rank), 0, SegmentKind::kLine, {}, {}});
       OnFailure(rank);
+    } else if (message == kDoneMessage) {
+      r.done = true;
     }
   }
 }
@@ -159,10 +171,9 @@ void Supervisor::OnExit(size_t rank, std::vector<Event>& events) {
     PumpControl(rank, events);
   }
   FANRUN_WARN_NOT_OK(r.control.Close(), "closing a rank's control channel");
-  // What the rank started and left behind goes with it.
-  FANRUN_WARN_NOT_OK(r.process->SignalGroup(SIGKILL), "killing what a rank left behind");
+  // What the rank started and left behind is gone already: its keeper exits only after that.
   events.push_back(Event{EventKind::kRankExited, static_cast<int>(rank), 0, SegmentKind::kLine, {}, *r.exit});
-  if (!r.exit->success()) OnFailure(rank);
+  if (!r.exit->success() || (options_.expect_done && !r.done)) OnFailure(rank);
 }
 
 void Supervisor::OnFailure(size_t rank) {
@@ -172,10 +183,10 @@ void Supervisor::OnFailure(size_t rank) {
   Terminate(Clock::now());
 }
 
-void Supervisor::SignalRunning(int signo, bool whole_group) {
+void Supervisor::SignalRunning(int signo, bool with_descendants) {
   for (auto& rank : ranks_) {
     if (rank.exit || !rank.process) continue;
-    Status st = whole_group ? rank.process->SignalGroup(signo) : rank.process->Signal(signo);
+    Status st = with_descendants ? rank.process->SignalAll(signo) : rank.process->Signal(signo);
     FANRUN_WARN_NOT_OK(st, "signalling a rank");
   }
 }
@@ -193,10 +204,11 @@ void Supervisor::Cancel() {
   Terminate(Clock::now());
 }
 
-void Supervisor::HandleDeadlines(Clock::time_point now) {
+void Supervisor::HandleDeadlines(Clock::time_point now, std::vector<Event>& events) {
   if (timeout_at_ && now >= *timeout_at_ && stop_reason_ == StopReason::kNone) {
     timeout_at_.reset();
     stop_reason_ = StopReason::kTimeout;
+    events.push_back(Event{EventKind::kTimedOut, -1, 0, SegmentKind::kLine, {}, {}});
     for (size_t i = 0; i < ranks_.size(); ++i) {
       if (!ranks_[i].exit) running_at_timeout_.push_back(static_cast<int>(i));
     }
@@ -232,11 +244,12 @@ Result<WaitResult> Supervisor::Wait() {
   WaitResult result;
   for (;;) {
     const auto now = Clock::now();
-    HandleDeadlines(now);
+    HandleDeadlines(now, result.events);
     if (AllReaped()) {
       result.done = true;
       return result;
     }
+    if (!result.events.empty()) return result;  // the timeout struck: say so while the ranks still run
     // What each poll slot stands for: (rank, 0 pidfd | 1 stdout | 2 stderr | 3 control).
     std::vector<pollfd> fds;
     std::vector<std::pair<size_t, int>> slots;

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -37,6 +38,7 @@ class SupervisorTest : public ::testing::Test {
       rank.log_path = dir_ + "/rank_" + std::to_string(i) + ".log";
       options.ranks.push_back(rank);
     }
+    options.keeper_path = testing::KeeperPath();
     options.kill_grace_s = 0.5;
     return options;
   }
@@ -133,6 +135,10 @@ TEST_F(SupervisorTest, TimeoutDumpsStacksThenKills) {
   EXPECT_EQ((*supervisor)->ranks_running_at_timeout(), (std::vector<int>{0, 1}));
   EXPECT_EQ(Lines(events, 2), (std::map<int, std::string>{{0, "dumping|"}, {1, "dumping|"}}));
   EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
+  // The timeout is an event of its own, before any rank was stopped.
+  const auto timed_out = std::find_if(events.begin(), events.end(), [](const Event& e) { return e.kind == EventKind::kTimedOut; });
+  ASSERT_NE(timed_out, events.end());
+  EXPECT_TRUE(std::none_of(events.begin(), timed_out, [](const Event& e) { return e.kind == EventKind::kRankExited; }));
 }
 
 TEST_F(SupervisorTest, CancelStopsEveryRank) {
@@ -182,14 +188,63 @@ TEST_F(SupervisorTest, PartialVeryLongAndBinaryOutputArriveWhole) {
   EXPECT_TRUE(ReadFile(dir_ + "/rank_0.log") == joined);
 }
 
-TEST_F(SupervisorTest, WhatARankLeavesBehindIsKilledWhenItExits) {
-  auto supervisor = Supervisor::Start(Options({"sleep 100 & echo $!"}));
+TEST_F(SupervisorTest, WhatARankLeavesBehindIsGoneWhenItsExitIsReported) {
+  // A plain child, one in a new session, and one orphaned at once.
+  auto supervisor = Supervisor::Start(Options({"sleep 100 & echo $!; setsid sleep 100 & echo $!; (setsid sleep 100 & echo $!)"}));
   ASSERT_TRUE(supervisor.ok());
   auto events = RunToEnd(**supervisor);
-  const auto lines = Lines(events, 1);
-  ASSERT_EQ(lines.count(0), 1u);
-  const pid_t leftover = static_cast<pid_t>(std::stoi(lines.at(0)));
-  EXPECT_TRUE(ProcessGoneWithin(leftover, 5000));
+  std::vector<pid_t> leftovers;
+  for (const auto& e : events) {
+    if (e.kind == EventKind::kOutput && e.stream == 1) leftovers.push_back(static_cast<pid_t>(std::stoi(e.text)));
+  }
+  ASSERT_EQ(leftovers.size(), 3u);
+  for (pid_t pid : leftovers) EXPECT_TRUE(ProcessGoneWithin(pid, 0)) << pid;
+  EXPECT_TRUE((*supervisor)->exit_status(0)->success());
+}
+
+TEST_F(SupervisorTest, ARankThatExitsWithoutReportingDoneFailsAtOnceWhenDoneIsExpected) {
+  auto options = Options({"exec sleep 100", "exit 0"});
+  options.expect_done = true;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  const auto start = std::chrono::steady_clock::now();
+  RunToEnd(**supervisor);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kRankFailed);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
+  EXPECT_EQ((*supervisor)->exit_status(1)->exit_code, 0);
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
+}
+
+TEST_F(SupervisorTest, ARankThatReportedDoneAndExits0Succeeds) {
+  auto options = Options({"echo done >&3", "echo done >&3; sleep 0.2"});
+  options.expect_done = true;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kNone);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), -1);
+}
+
+TEST_F(SupervisorTest, WithoutExpectingDoneAnExit0IsSuccess) {
+  auto supervisor = Supervisor::Start(Options({"exit 0", "true"}));
+  ASSERT_TRUE(supervisor.ok());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kNone);
+}
+
+TEST_F(SupervisorTest, StoppingARunReachesWhatItsRanksStartedInOtherSessions) {
+  // The rank's own group ignores SIGTERM; what it started in a new session records it.
+  auto options = Options({"setsid sh -c 'trap \"echo term >> " + dir_ +
+                              "/got; exit 0\" TERM; while :; do sleep 0.05; done' & trap '' TERM; while :; do sleep 0.05; done",
+                          "sleep 0.5; exit 1"});
+  options.kill_grace_s = 1;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGKILL);
+  EXPECT_EQ(ReadFile(dir_ + "/got"), "term\n");
 }
 
 TEST_F(SupervisorTest, ARankThatCannotStartStopsTheRunAndKillsTheStartedOnes) {
@@ -205,6 +260,13 @@ TEST_F(SupervisorTest, InvalidOptionsAreRejected) {
   EXPECT_FALSE(Supervisor::Start(SupervisorOptions{}).ok());
   auto options = Options({"true"});
   options.kill_grace_s = -1;
+  EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
+  options = Options({"true"});
+  options.keeper_path.clear();
+  EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
+  options = Options({"true"});
+  options.control_channel = false;
+  options.expect_done = true;
   EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
 }
 

@@ -16,6 +16,9 @@ inline std::vector<std::string> ShellCommand(const std::string& script) { return
 
 inline std::vector<std::string> MinimalEnv() { return {"PATH=/usr/bin:/bin", "LC_ALL=C"}; }
 
+// The fanrun-keeper built beside the tests.
+inline std::string KeeperPath() { return FANRUN_TEST_KEEPER; }
+
 // A fresh directory /tmp/<prefix>-XXXXXX for one test; "" if it could not be made.
 inline std::string MakeTempDir(const std::string& prefix) {
   std::string pattern = "/tmp/" + prefix + "-XXXXXX";

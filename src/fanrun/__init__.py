@@ -6,11 +6,13 @@ from ._accelerators import GPUType as GPUType
 from ._decorator import DistributedFunction as DistributedFunction
 from ._decorator import distributed as distributed
 from ._errors import AcceleratorMismatchError as AcceleratorMismatchError
+from ._errors import DescriptorLimitError as DescriptorLimitError
 from ._errors import FanrunError as FanrunError
 from ._errors import PayloadSerializationError as PayloadSerializationError
 from ._errors import RankFailedError as RankFailedError
 from ._errors import ResultSerializationError as ResultSerializationError
 from ._errors import RunTimeoutError as RunTimeoutError
+from ._errors import WorkingDirectoryError as WorkingDirectoryError
 from ._private_dir import UnsafePathError as UnsafePathError
 from ._torch_distributor import TorchDistributor as TorchDistributor
 

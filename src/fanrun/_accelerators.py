@@ -14,6 +14,10 @@ from ._errors import AcceleratorMismatchError
 # CPU processes a run starts where there is no GPU and num_accelerators is not given:
 # enough to exercise real distributed code, few enough for a laptop.
 DEFAULT_CPU_RANKS = 2
+# At most this many CPU ranks per core this process may run on, unless MAX_CPU_RANKS_VAR says
+# otherwise: a mistyped count (10**6) would otherwise fork the machine to its knees.
+CPU_RANKS_PER_CORE = 4
+MAX_CPU_RANKS_VAR = "FANRUN_MAX_CPU_RANKS"
 
 
 class AcceleratorType(str, enum.Enum):
@@ -180,12 +184,33 @@ def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, i
         return Plan(num_accelerators, True, inventory.describe(gpus), f"GPU_{num_accelerators}x{model}")
     if num_accelerators is None:
         num_accelerators = DEFAULT_CPU_RANKS
+    limit, why = max_cpu_ranks()
+    if num_accelerators > limit:
+        raise AcceleratorMismatchError(
+            f"num_accelerators={num_accelerators} CPU processes is more than this machine allows: {limit} ({why}). "
+            f"Ask for fewer, or set {MAX_CPU_RANKS_VAR} to the most CPU ranks a run may start"
+        )
     noun = "process" if num_accelerators == 1 else "processes"
     description = f"{num_accelerators} CPU {noun}"
     notice = ""
     if not inventory.visible and not (request and request.cpu):
         notice = f'no GPU found: {description}; use the gloo backend (init_process_group("gloo"))'
     return Plan(num_accelerators, False, description, "CPU", notice)
+
+
+def max_cpu_ranks() -> tuple[int, str]:
+    """The most CPU ranks one run may start here, and where that number comes from."""
+    configured = os.environ.get(MAX_CPU_RANKS_VAR)
+    if configured is not None:
+        try:
+            limit = int(configured)
+        except ValueError:
+            limit = 0
+        if limit < 1:
+            raise ValueError(f"{MAX_CPU_RANKS_VAR} must be a positive whole number, not {configured!r}")
+        return limit, f"{MAX_CPU_RANKS_VAR}={limit}"
+    cores = len(os.sched_getaffinity(0))
+    return CPU_RANKS_PER_CORE * cores, f"{CPU_RANKS_PER_CORE} per core, and this process may use {cores}"
 
 
 def _check_type_matches(request: AcceleratorRequest, inventory: Inventory) -> None:

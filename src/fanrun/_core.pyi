@@ -2,6 +2,7 @@
 EVENT_OUTPUT: int
 EVENT_RANK_FAILED: int
 EVENT_RANK_EXITED: int
+EVENT_TIMED_OUT: int
 SEGMENT_LINE: int
 SEGMENT_PARTIAL: int
 SEGMENT_PROGRESS: int
@@ -19,6 +20,8 @@ class Supervisor:
         stack_dump_wait_s: float,
         wakeup_fd: int,
         control_channel: bool,
+        expect_done: bool,
+        keeper: str,
     ) -> Supervisor: ...
     # (events, interrupted, done); an event is (kind, rank, stream, segment, text, (exit_code, signal)).
     def wait(self) -> tuple[list[tuple[int, int, int, int, bytes, tuple[int, int]]], bool, bool]: ...

@@ -43,6 +43,8 @@ class DistributedFunction(Generic[R]):
         options = self._options
         inventory = _accelerators.detect()
         plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory)
+        # Before the MLflow run starts: a call that cannot start leaves no trace.
+        _launcher.preflight(plan)
         payload = _payload.serialize_call(self._fn, args, kwargs)
         name = getattr(self._fn, "__name__", "function")
         # The GPUs the ranks get, in rank order: the ones the run's system metrics describe.

@@ -49,12 +49,30 @@ class RankFailedError(RuntimeError, FanrunError):
 
 
 class RunTimeoutError(TimeoutError, FanrunError):
-    """The run outlasted its timeout; every rank's Python stack was dumped before the kill."""
+    """The run outlasted its timeout. The Python stack of each rank still running was dumped
+    before the kill where it could be: `stacks` holds those, `missing_stacks` says for each
+    other rank why there is none."""
 
-    def __init__(self, message: str, *, running_ranks: list[int], stacks: dict[int, list[str]]) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        running_ranks: list[int],
+        stacks: dict[int, list[str]],
+        missing_stacks: dict[int, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.running_ranks = running_ranks
         self.stacks = stacks
+        self.missing_stacks = missing_stacks or {}
+
+
+class WorkingDirectoryError(FileNotFoundError, FanrunError):
+    """The caller's working directory, where every rank starts, no longer exists."""
+
+
+class DescriptorLimitError(OSError, FanrunError):
+    """The caller may not open the file descriptors a run of this many ranks needs (RLIMIT_NOFILE)."""
 
 
 class RemoteTraceback(Exception):

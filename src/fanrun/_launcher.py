@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import resource
 import signal
 import sys
 import threading
@@ -15,7 +16,14 @@ from pathlib import Path
 
 from . import _core, _hints, _result_file
 from ._accelerators import Plan
-from ._errors import RankFailedError, RemoteTraceback, ResultSerializationError, RunTimeoutError
+from ._errors import (
+    DescriptorLimitError,
+    RankFailedError,
+    RemoteTraceback,
+    ResultSerializationError,
+    RunTimeoutError,
+    WorkingDirectoryError,
+)
 from ._output import OutputMux
 from ._paths import RunPaths
 from ._rendezvous import Rendezvous
@@ -25,6 +33,15 @@ from ._worker import STACK_DUMP_SIGNAL, bootstrap_code
 KILL_GRACE_S = 5.0
 # How long ranks get to write their stacks at a timeout before they are stopped.
 STACK_DUMP_WAIT_S = 1.0
+# Each rank runs under a keeper of its own, which ends every process the rank started when the
+# rank ends or the caller dies (cpp/include/fanrun/kept_process.h).
+KEEPER = str(Path(__file__).with_name("fanrun-keeper"))
+# Descriptors the caller holds for each rank while a run lasts: its log, stdout, stderr and
+# control pipes, its keeper's pidfd and socket, and the rendezvous store's connections from it.
+DESCRIPTORS_PER_RANK = 8
+# Those the engine holds for a moment while it starts a rank, some of them numbered 64 and up.
+DESCRIPTORS_TO_START = 16
+FIRST_HIGH_DESCRIPTOR = 64
 # Set in every rank unless the caller set them (Megatron-LM measured 1012 s vs 26 s
 # without OMP_NUM_THREADS when ranks oversubscribe the cores).
 RANK_DEFAULTS = {
@@ -77,6 +94,7 @@ def run(
     `extra_env` is set in every rank on top of the caller's environment (fanrun's own
     variables still win); `on_paths` learns the run's files before any rank starts, so
     that the caller can read the logs afterwards, whatever the outcome."""
+    preflight(plan)
     if plan.notice and plan.notice not in _notices_shown:
         # Once per process: a notebook that calls again knows it by then.
         _notices_shown.add(plan.notice)
@@ -109,22 +127,25 @@ def run(
                 stack_dump_wait_s=STACK_DUMP_WAIT_S,
                 wakeup_fd=wakeup.read_fd,
                 control_channel=True,
+                # A function's rank that ends without its result or its error has failed.
+                expect_done=payload is not None,
+                keeper=KEEPER,
             )
-            stacks: dict[int, list[str]] = {}
+            timeout_report = _TimeoutReport(python=program.python)
             try:
-                _pump(supervisor, mux, wakeup, stacks)
+                _pump(supervisor, mux, wakeup, timeout_report)
             except BaseException:
                 # Interrupted (Ctrl+C, a kernel interrupt) or broken: stop every rank
                 # before the exception leaves, and keep relaying output meanwhile.
                 supervisor.cancel()
                 try:
-                    _pump(supervisor, mux, wakeup, stacks)
+                    _pump(supervisor, mux, wakeup, timeout_report)
                 except BaseException:
                     supervisor.kill_and_reap()  # a second interrupt: no more grace
                 raise
             finally:
                 mux.close()
-        return _outcome(name, supervisor, paths, mux, stacks, timeout, collect=payload is not None)
+        return _outcome(name, supervisor, paths, mux, timeout_report, timeout, collect=payload is not None)
     except Exception as error:
         if not plan.use_gpus:
             _hints.note_gpu_call_on_cpu(error, plan.description)
@@ -136,6 +157,51 @@ def run(
             paths.remove_bulky_files(world_size)
         finally:
             paths.close()
+
+
+def preflight(plan: Plan) -> None:
+    """What would stop a run halfway, found before anything starts: a working directory that
+    was deleted (the ranks start in it, and importing torch there crashes), and a descriptor
+    limit too low for this many ranks."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        try:
+            where = os.readlink("/proc/self/cwd")
+        except OSError:
+            where = "unknown"
+        raise WorkingDirectoryError(
+            f"the working directory no longer exists ({where}): it was removed after this process entered it, "
+            f"and every rank starts in it. Change to an existing directory (os.chdir or cd) and try again"
+        ) from None
+    _check_descriptor_limit(plan.world_size)
+
+
+def _check_descriptor_limit(world_size: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    open_now = len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself held
+    needed = max(open_now + DESCRIPTORS_PER_RANK * world_size + DESCRIPTORS_TO_START,
+                 FIRST_HIGH_DESCRIPTOR + DESCRIPTORS_TO_START)
+    if needed <= soft:
+        return
+    suggested = max(4096, 2 * needed)
+    if hard != resource.RLIM_INFINITY:
+        suggested = min(suggested, hard)
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    if needed <= hard:
+        advice = (
+            f"Raise it before starting Python (`ulimit -n {suggested}` in the shell), or in Python with "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({suggested}, hard))"
+        )
+    else:
+        advice = "That is above the hard limit: run fewer ranks, or have the hard limit raised (limits.conf)"
+    raise DescriptorLimitError(
+        f"a run of {world_size} rank{'s' if world_size != 1 else ''} needs about {needed} file descriptors in this "
+        f"process ({open_now} are open already), but its limit of open files (RLIMIT_NOFILE) is {soft}, "
+        f"hard limit {hard_text}. {advice}; `ulimit -n` shows the limit."
+    )
 
 
 def rank_environment(
@@ -176,25 +242,84 @@ def _flatten(env: Mapping[str, str]) -> list[str]:
     return [f"{key}={value}" for key, value in env.items()]
 
 
-def _pump(supervisor, mux: OutputMux, wakeup: _SignalWakeup, stacks: dict[int, list[str]]) -> None:
-    captured: dict[int, list[str]] | None = None
+def _pump(supervisor, mux: OutputMux, wakeup: _SignalWakeup, timeout_report: _TimeoutReport) -> None:
     while True:
         events, interrupted, done = supervisor.wait()
-        # The stack-dump signal went out inside that wait: this batch may hold the dumps.
-        if captured is None and supervisor.stop_reason == "timeout":
-            captured = mux.capture_stderr()
         for kind, rank, stream, segment, data, _exit in events:
             if kind == _core.EVENT_OUTPUT:
                 mux.write(rank, stream, segment, data)
+            elif kind == _core.EVENT_TIMED_OUT:
+                # The stack-dump signal is out and the ranks still run: from here, stderr is
+                # kept, and what stands in the way of a dump can still be seen.
+                timeout_report.start(supervisor, mux)
         mux.flush()
         if interrupted:
             # Python's own handler runs as soon as this returns to the loop: a
             # KeyboardInterrupt is raised right here, between two waits.
             wakeup.drain()
         if done:
-            if captured is not None:
-                stacks.update(captured)
             return
+
+
+class _TimeoutReport:
+    """What the ranks still running at a timeout left: each one's dumped stack, or why none came."""
+
+    def __init__(self, python: bool) -> None:
+        self._python = python
+        self._captured: dict[int, list[str]] = {}
+        self._obstacles: dict[int, str] = {}
+
+    def start(self, supervisor, mux: OutputMux) -> None:
+        self._captured = mux.capture_stderr()
+        if self._python:
+            for rank in supervisor.ranks_running_at_timeout:
+                obstacle = _dump_obstacle(supervisor.pid(rank), STACK_DUMP_SIGNAL)
+                if obstacle is not None:
+                    self._obstacles[rank] = obstacle
+
+    def split(self, running: list[int]) -> tuple[dict[int, list[str]], dict[int, str]]:
+        """(the stacks dumped, by rank; why each other running rank has none)."""
+        stacks, missing = {}, {}
+        for rank in running:
+            lines = self._captured.get(rank, [])
+            if any(_STACK_HEADER in line for line in lines):
+                stacks[rank] = lines
+            elif not self._python:
+                missing[rank] = "a native program has no Python stack to dump"
+            else:
+                missing[rank] = self._obstacles.get(
+                    rank, f"it wrote no stack within {STACK_DUMP_WAIT_S:g} s of {STACK_DUMP_SIGNAL.name}"
+                )
+        return stacks, missing
+
+
+# What faulthandler writes above every thread's stack.
+_STACK_HEADER = "(most recent call first)"
+
+
+def _dump_obstacle(pid: int, signo: signal.Signals) -> str | None:
+    """Why `pid` cannot answer `signo` with a stack, as far as /proc tells; None if nothing seen."""
+    bit = 1 << (signo - 1)
+    try:
+        status = _proc_status(f"/proc/{pid}/status")
+        threads = [_proc_status(f"/proc/{pid}/task/{tid}/status") for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return None
+    state = status.get("State", "")
+    if state[:1] in ("T", "t"):
+        return f"it is stopped ({state}: SIGSTOP or a debugger)"
+    if int(status.get("SigIgn", "0"), 16) & bit:
+        return f"it ignores {signo.name}"
+    if threads and all(int(thread.get("SigBlk", "0"), 16) & bit for thread in threads):
+        return f"it blocks {signo.name} in every thread"
+    if not int(status.get("SigCgt", "0"), 16) & bit:
+        return f"it has no handler for {signo.name} (faulthandler's was removed)"
+    return None
+
+
+def _proc_status(path: str) -> dict[str, str]:
+    with open(path) as file:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in file if ":\t" in line)
 
 
 class _SignalWakeup:
@@ -242,12 +367,18 @@ class _SignalWakeup:
         os.close(self._write_fd)
 
 
-def _outcome(name, supervisor, paths, mux, stacks, timeout, collect: bool) -> list[object]:
+def _outcome(name, supervisor, paths, mux, timeout_report: _TimeoutReport, timeout, collect: bool) -> list[object]:
     world_size = supervisor.world_size
     reason = supervisor.stop_reason
     if reason == "timeout":
         running = list(supervisor.ranks_running_at_timeout)
-        raise RunTimeoutError(_timeout_message(name, timeout, running, stacks, paths), running_ranks=running, stacks=stacks)
+        stacks, missing = timeout_report.split(running)
+        raise RunTimeoutError(
+            _timeout_message(name, timeout, running, stacks, missing, paths),
+            running_ranks=running,
+            stacks=stacks,
+            missing_stacks=missing,
+        )
     if reason == "rank_failed":
         error = _root_cause(supervisor.first_failed_rank, supervisor, paths, mux)
         raise error from error.__cause__
@@ -260,8 +391,8 @@ def _outcome(name, supervisor, paths, mux, stacks, timeout, collect: bool) -> li
                 results.append(_result_file.read(file, paths.result(rank)))
         except FileNotFoundError:
             raise RankFailedError(
-                f"Rank {rank} of {world_size} (pid {supervisor.pid(rank)}) exited with code 0 but returned "
-                f"no result: did the function call os._exit()?{_tail_text(mux, rank)}\nFull log: {paths.log(rank)}",
+                f"Rank {rank} of {world_size} (pid {supervisor.pid(rank)}) returned, but its result file "
+                f"{paths.result(rank)} is gone: was the run directory removed during the call?\nFull log: {paths.log(rank)}",
                 rank=rank,
                 pid=supervisor.pid(rank),
                 exit_code=0,
@@ -316,6 +447,14 @@ def _root_cause(rank: int, supervisor, paths: RunPaths, mux: OutputMux) -> BaseE
         elif signo in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL):
             message += ", a crash in native code; its Python stack, if it had one, is in its stderr"
         return RankFailedError(message + f".{_tail_text(mux, rank)}\nFull log: {log}", signal_name=name, **common)
+    if code == 0:
+        # Only a function's rank fails with code 0: it ended without writing its result or error.
+        return RankFailedError(
+            f"{who} exited with code 0 without returning a result: the function neither returned nor raised "
+            f"(os._exit(0), or a library that ended the process).{_tail_text(mux, rank)}\nFull log: {log}",
+            exit_code=0,
+            **common,
+        )
     return RankFailedError(f"{who} exited with code {code}.{_tail_text(mux, rank)}\nFull log: {log}", exit_code=code, **common)
 
 
@@ -368,13 +507,21 @@ def _tail_text(mux: OutputMux, rank: int, lines: int = 20) -> str:
     return "\nLast lines of its stderr:\n" + "\n".join("    " + line for line in tail)
 
 
-def _timeout_message(name, timeout, running, stacks, paths, lines_per_rank: int = 40) -> str:
-    parts = [
-        f"{name!r} timed out after {timeout:g} s; ranks still running: {', '.join(map(str, running)) or 'none'}. "
-        f"Every rank's Python stack was dumped before the kill:"
-    ]
+def _timeout_message(name, timeout, running, stacks, missing, paths, lines_per_rank: int = 40) -> str:
+    parts = [f"{name!r} timed out after {timeout:g} s; ranks still running: {', '.join(map(str, running)) or 'none'}."]
+    if stacks:
+        parts.append(f"Python stacks dumped before the kill: {_ranks(sorted(stacks))}.")
+    reasons: dict[str, list[int]] = {}
+    for rank, why in sorted(missing.items()):
+        reasons.setdefault(why, []).append(rank)
+    for why, ranks in reasons.items():
+        parts.append(f"No stack from {_ranks(ranks)}: {why}.")
     for rank in sorted(stacks):
         parts.append(f"--- rank {rank} ---")
         parts.extend(stacks[rank][:lines_per_rank])
     parts.append(f"Logs: {paths.directory}")
     return "\n".join(parts)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

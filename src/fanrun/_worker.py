@@ -22,8 +22,10 @@ from pathlib import Path
 # Sent by the engine at a timeout: every thread's Python stack goes to stderr, hence to the log.
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 
-# The one-line message on the control descriptor that says "my error is written, I am failing".
+# The one-line messages on the control descriptor: "my error is written, I am failing", and
+# "my result is written". A function's rank that exits without either has failed.
 _FAILED = b"failed\n"
+_DONE = b"done\n"
 
 # The status the rank exits with: 0 once its result is written, the error's code once its
 # error is; 1 if the worker itself fails before either.
@@ -183,6 +185,7 @@ def _send_result(run_dir: Path, rank: int, result: object) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    _tell_engine(_DONE)
 
 
 def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type: str = "") -> None:
@@ -203,24 +206,31 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
         "result_type": result_type,
         "exception": _pickle_exception(error),
     }
-    if kind != "result":
-        # The traceback goes to the log too, as an uncaught exception's would.
-        sys.stderr.write(envelope["traceback"])
-    sys.stderr.flush()
+    try:
+        if kind != "result":
+            # The traceback goes to the log too, as an uncaught exception's would.
+            sys.stderr.write(envelope["traceback"])
+        sys.stderr.flush()
+    except Exception:
+        pass  # stderr closed or replaced by the function: the error file below still carries it all
     path = run_dir / f"rank_{rank}.error"
     tmp = path.with_name(path.name + ".tmp")
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as out:
         pickle.dump(envelope, out, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(tmp, path)
-    control_fd = os.environ.get("FANRUN_CONTROL_FD")
-    if control_fd:
-        try:
-            os.write(int(control_fd), _FAILED)
-        except OSError:
-            pass
+    _tell_engine(_FAILED)
     code = envelope["exit_code"] if isinstance(envelope["exit_code"], int) else 1
     _exit_status = code or 1
     sys.exit(_exit_status)
+
+
+def _tell_engine(message: bytes) -> None:
+    control_fd = os.environ.get("FANRUN_CONTROL_FD")
+    if control_fd:
+        try:
+            os.write(int(control_fd), message)
+        except OSError:
+            pass
 
 
 def _skip_worker_frames(tb):

@@ -46,6 +46,10 @@ Result<FileDescriptor> DuplicateAbove(int fd, int min_fd);
 
 Status SetNonBlocking(int fd);
 
+// The error for a descriptor that could not be made (`err` from the call, `what` names it).
+// When the process is out of descriptors it names RLIMIT_NOFILE, its value and how to raise it.
+Status DescriptorError(int err, const std::string& what);
+
 // Retries on EINTR and short writes.
 Status WriteAll(int fd, const void* data, size_t size);
 

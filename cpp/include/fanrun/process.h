@@ -16,12 +16,15 @@ namespace fanrun {
 struct SpawnOptions {
   // argv[0] is looked up in the PATH of `env` when it has no '/'.
   std::vector<std::string> argv;
+  // The file to run when it is not argv[0].
+  std::string executable;
   // The whole environment of the child, "NAME=value" each.
   std::vector<std::string> env;
   // Empty: the parent's working directory.
   std::string cwd;
-  // Descriptors placed at 1, 2 and 3 in the child; -1 leaves 1 and 2 as the
-  // parent's and 3 closed. Standard input is always /dev/null.
+  // Descriptors placed at 0, 1, 2 and 3 in the child; -1 gives /dev/null at 0,
+  // leaves 1 and 2 as the parent's and 3 closed.
+  int stdin_fd = -1;
   int stdout_fd = -1;
   int stderr_fd = -1;
   int control_fd = -1;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fanrun/fd.h"
+#include "fanrun/kept_process.h"
 #include "fanrun/line_splitter.h"
 #include "fanrun/process.h"
 #include "fanrun/status.h"
@@ -25,6 +26,9 @@ struct RankOptions {
 
 struct SupervisorOptions {
   std::vector<RankOptions> ranks;
+  // The fanrun-keeper executable: each rank runs under a keeper of its own, which ends every
+  // process the rank started, in any group or session, when the rank ends or the caller dies.
+  std::string keeper_path;
   double timeout_s = 0;            // <= 0: no timeout
   double kill_grace_s = 5;         // from SIGTERM to SIGKILL
   int stack_dump_signal = 0;       // sent to every rank at the timeout, before the kill; 0: none
@@ -32,11 +36,16 @@ struct SupervisorOptions {
   int wakeup_fd = -1;              // Wait() returns "interrupted" when this becomes readable
   size_t max_line_bytes = 64 * 1024;
   // Give each rank a pipe at fd 3 on which it reports "failed\n" the moment it has
-  // written its error, before its (possibly slow) interpreter shutdown.
+  // written its error, before its (possibly slow) interpreter shutdown, and "done\n" once
+  // it has written its result.
   bool control_channel = true;
+  // A rank that exits with code 0 without having reported "done" has failed: it ended
+  // without returning (os._exit(0) in a function), and its siblings are stopped at once.
+  bool expect_done = false;
 };
 
-enum class EventKind { kOutput, kRankFailed, kRankExited };
+// kTimedOut: the timeout struck just now; the stack-dump signal is out, the ranks still run.
+enum class EventKind { kOutput, kRankFailed, kRankExited, kTimedOut };
 
 struct Event {
   EventKind kind;
@@ -61,7 +70,7 @@ class Supervisor {
   static Result<std::unique_ptr<Supervisor>> Start(SupervisorOptions options);
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
-  // Ranks still running are killed with their process groups and reaped.
+  // Ranks still running are killed, with every process they started, and reaped.
   ~Supervisor();
 
   // Blocks until there is something to report, a deadline passes, or a signal or the
@@ -69,14 +78,15 @@ class Supervisor {
   Result<WaitResult> Wait();
   // Stops every rank: SIGTERM now, SIGKILL after the grace period. Idempotent.
   void Cancel();
-  // Kills every rank still running, with its process group, and reaps it, at once.
+  // Kills every rank still running, with every process it started, and reaps it, at once.
   void KillAndReap();
 
   int world_size() const { return static_cast<int>(ranks_.size()); }
   pid_t pid(int rank) const { return ranks_[static_cast<size_t>(rank)].pid; }
   std::optional<ExitStatus> exit_status(int rank) const { return ranks_[static_cast<size_t>(rank)].exit; }
   const std::string& log_path(int rank) const { return ranks_[static_cast<size_t>(rank)].log_path; }
-  // The root cause: the first rank that reported a failure or ended badly; -1 if none.
+  // The root cause: the first rank that reported a failure, ended badly, or (with
+  // expect_done) exited without reporting "done"; -1 if none.
   int first_failed_rank() const { return first_failed_rank_; }
   StopReason stop_reason() const { return stop_reason_; }
   // The ranks still running when the timeout struck.
@@ -92,13 +102,14 @@ class Supervisor {
   };
 
   struct Rank {
-    std::optional<ChildProcess> process;
+    std::optional<KeptProcess> process;
     pid_t pid = -1;
     std::string log_path;
     FileDescriptor log;
     std::unique_ptr<Stream> out, err;
     FileDescriptor control;
     std::string control_buffer;
+    bool done = false;
     std::optional<ExitStatus> exit;
   };
 
@@ -111,9 +122,9 @@ class Supervisor {
   void PumpControl(size_t rank, std::vector<Event>& events);
   void OnExit(size_t rank, std::vector<Event>& events);
   void OnFailure(size_t rank);
-  void HandleDeadlines(Clock::time_point now);
+  void HandleDeadlines(Clock::time_point now, std::vector<Event>& events);
   void Terminate(Clock::time_point now);
-  void SignalRunning(int signo, bool whole_group);
+  void SignalRunning(int signo, bool with_descendants);
   bool AllReaped() const;
   int MillisecondsToNextDeadline(Clock::time_point now) const;
 
