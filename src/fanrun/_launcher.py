@@ -165,7 +165,7 @@ def _flatten(env: Mapping[str, str]) -> list[str]:
 def _pump(supervisor, mux: OutputMux, wakeup: _SignalWakeup, stacks: dict[int, list[str]]) -> None:
     captured: dict[int, list[str]] | None = None
     while True:
-        events, interrupted, done = supervisor.wait()
+        events, interrupted, done = supervisor.wait(mux.seconds_to_redraw())
         # The stack-dump signal went out inside that wait: this batch may hold the dumps.
         if captured is None and supervisor.stop_reason == "timeout":
             captured = mux.capture_stderr()
