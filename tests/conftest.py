@@ -21,6 +21,13 @@ os.environ["FANRUN_RUNS_DIR"] = _RUNS
 # output; test_tracking.py turns tracking back on for its tests.
 os.environ["FANRUN_TRACKING"] = "0"
 
+import fanrun._launcher  # noqa: E402
+
+# The tests that read a call's exact output run in this process, in any order: the line a
+# process shows once when it finds no GPU would land in whichever came first. The tests of
+# that line run their callers as subprocesses.
+fanrun._launcher.no_gpu_notice_shown = True
+
 
 @pytest.fixture(scope="session")
 def runs_dir() -> Path:

@@ -60,11 +60,11 @@ std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::s
 }
 
 // (events, interrupted, done); an event is (kind, rank, stream, segment, text, exit).
-nb::tuple Wait(Supervisor& supervisor) {
+nb::tuple Wait(Supervisor& supervisor, double max_wait_s) {
   Result<WaitResult> result = Status::Internal("not waited");
   {
     nb::gil_scoped_release release;
-    result = supervisor.Wait();
+    result = supervisor.Wait(max_wait_s);
   }
   WaitResult batch = ValueOrThrow(std::move(result));
   nb::list events;
@@ -93,7 +93,7 @@ void BindSupervisor(nb::module_& m) {
                   nb::arg("log_paths"), nb::arg("timeout_s"), nb::arg("kill_grace_s"),
                   nb::arg("stack_dump_signal"), nb::arg("stack_dump_wait_s"), nb::arg("wakeup_fd"),
                   nb::arg("control_channel"), nb::arg("expect_done"), nb::arg("keeper"))
-      .def("wait", &Wait)
+      .def("wait", &Wait, nb::arg("max_wait_s") = -1.0)
       .def("cancel", &Supervisor::Cancel)
       .def("kill_and_reap", [](Supervisor& s) {
         nb::gil_scoped_release release;

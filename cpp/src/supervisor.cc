@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace fanrun {
 namespace {
@@ -16,6 +17,8 @@ constexpr size_t kReadChunk = 64 * 1024;
 // The messages a rank sends on its control channel, one a line.
 constexpr std::string_view kFailedMessage = "failed";
 constexpr std::string_view kDoneMessage = "done";
+// A year bounds every period: beyond it the clock arithmetic would overflow.
+constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
 
 std::chrono::steady_clock::duration Seconds(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
@@ -27,13 +30,13 @@ Supervisor::Supervisor(SupervisorOptions options) : options_(std::move(options))
 
 Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options) {
   if (options.ranks.empty()) return Status::Invalid("A run needs at least one rank");
-  for (double seconds : {options.timeout_s, options.kill_grace_s, options.stack_dump_wait_s}) {
-    // A year bounds every period: beyond it the clock arithmetic would overflow.
-    if (!std::isfinite(seconds) || seconds > 365.0 * 24 * 3600) {
+  for (double seconds :
+       {options.timeout_s, options.kill_grace_s, options.stack_dump_wait_s, options.show_held_after_s}) {
+    if (!std::isfinite(seconds) || seconds > kLongestPeriodS) {
       return Status::Invalid("Timeouts and grace periods must be finite and under a year, not ", seconds);
     }
   }
-  if (options.kill_grace_s < 0 || options.stack_dump_wait_s < 0) {
+  if (options.kill_grace_s < 0 || options.stack_dump_wait_s < 0 || options.show_held_after_s < 0) {
     return Status::Invalid("Grace periods cannot be negative");
   }
   if (options.max_line_bytes == 0) return Status::Invalid("max_line_bytes must be positive");
@@ -119,6 +122,25 @@ void Supervisor::PumpStream(size_t rank, Stream& stream, int number, std::vector
   const Rank& r = ranks_[rank];
   if (r.log.valid()) FANRUN_WARN_NOT_OK(WriteAll(r.log.fd(), buffer, static_cast<size_t>(n)), "writing a rank's log");
   stream.lines.Feed(std::string_view(buffer, static_cast<size_t>(n)), emit);
+  if (!stream.lines.HoldsUnshown()) {
+    stream.show_held_at.reset();
+  } else if (!stream.show_held_at) {  // counted from the first byte held, so a trickle shows too
+    stream.show_held_at = Clock::now() + Seconds(options_.show_held_after_s);
+  }
+}
+
+void Supervisor::ShowHeldOutput(Clock::time_point now, std::vector<Event>& events) {
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    Rank& r = ranks_[i];
+    if (r.exit) continue;
+    for (const auto& [number, stream] : {std::pair{1, r.out.get()}, std::pair{2, r.err.get()}}) {
+      if (!stream->show_held_at || now < *stream->show_held_at) continue;
+      stream->show_held_at.reset();
+      stream->lines.ShowHeld([&, number = number](SegmentKind kind, std::string_view text) {
+        events.push_back(Event{EventKind::kOutput, static_cast<int>(i), number, kind, std::string(text), {}});
+      });
+    }
+  }
 }
 
 void Supervisor::DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
@@ -230,18 +252,26 @@ bool Supervisor::AllReaped() const {
   return std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.exit.has_value(); });
 }
 
-int Supervisor::MillisecondsToNextDeadline(Clock::time_point now) const {
+int Supervisor::MillisecondsToNextDeadline(Clock::time_point now, std::optional<Clock::time_point> return_at) const {
   std::optional<Clock::time_point> next;
-  for (const auto& deadline : {timeout_at_, dump_done_at_, kill_at_}) {
+  auto consider = [&next](const std::optional<Clock::time_point>& deadline) {
     if (deadline && (!next || *deadline < *next)) next = deadline;
+  };
+  for (const auto& deadline : {timeout_at_, dump_done_at_, kill_at_, return_at}) consider(deadline);
+  for (const auto& rank : ranks_) {
+    if (rank.exit) continue;
+    consider(rank.out->show_held_at);
+    consider(rank.err->show_held_at);
   }
   if (!next) return -1;
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next - now).count();
   return static_cast<int>(std::clamp<long long>(ms, 0, 1 << 30));
 }
 
-Result<WaitResult> Supervisor::Wait() {
+Result<WaitResult> Supervisor::Wait(double max_wait_s) {
   WaitResult result;
+  std::optional<Clock::time_point> return_at;
+  if (max_wait_s >= 0) return_at = Clock::now() + Seconds(std::min(max_wait_s, kLongestPeriodS));
   for (;;) {
     const auto now = Clock::now();
     HandleDeadlines(now, result.events);
@@ -264,7 +294,7 @@ Result<WaitResult> Supervisor::Wait() {
     }
     if (options_.wakeup_fd >= 0) fds.push_back({options_.wakeup_fd, POLLIN, 0});
 
-    const int ready = ::poll(fds.data(), fds.size(), MillisecondsToNextDeadline(now));
+    const int ready = ::poll(fds.data(), fds.size(), MillisecondsToNextDeadline(now, return_at));
     if (ready < 0) {
       if (errno == EINTR) {
         result.interrupted = true;
@@ -291,8 +321,10 @@ Result<WaitResult> Supervisor::Wait() {
         case 3: PumpControl(i, result.events); break;
       }
     }
+    ShowHeldOutput(Clock::now(), result.events);
     if (options_.wakeup_fd >= 0 && fds.back().revents != 0) result.interrupted = true;
     if (!result.events.empty() || result.interrupted) return result;
+    if (return_at && Clock::now() >= *return_at) return result;
   }
 }
 

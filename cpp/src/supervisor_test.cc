@@ -9,6 +9,7 @@
 #include <chrono>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "test_util_internal.h"
@@ -167,6 +168,7 @@ TEST_F(SupervisorTest, WakeupDescriptorInterruptsTheWait) {
 TEST_F(SupervisorTest, PartialVeryLongAndBinaryOutputArriveWhole) {
   auto options = Options({"printf 'no newline'; head -c 300000 /dev/zero | tr '\\0' a; printf '\\n\\001\\377\\000end\\n'"});
   options.max_line_bytes = 65536;
+  options.show_held_after_s = 60;  // cut by length alone, however slowly the pipeline writes
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
   auto events = RunToEnd(**supervisor);
@@ -186,6 +188,46 @@ TEST_F(SupervisorTest, PartialVeryLongAndBinaryOutputArriveWhole) {
   // EXPECT_TRUE, not EXPECT_EQ: a failure should not print 300 kB.
   EXPECT_TRUE(joined == "no newline" + std::string(300000, 'a') + "\n" + std::string("\x01\xff\x00" "end\n", 7));
   EXPECT_TRUE(ReadFile(dir_ + "/rank_0.log") == joined);
+}
+
+TEST_F(SupervisorTest, LineWithoutNewlineArrivesWhileTheRankWaits) {
+  auto options = Options({"echo start; printf 'waiting...'; exec sleep 100"});
+  options.timeout_s = 5;  // without the hold's deadline, the text would come only now
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  std::vector<Event> events;
+  std::optional<std::chrono::steady_clock::time_point> started;
+  while (events.empty() || events.back().segment != SegmentKind::kPartial) {
+    auto batch = (*supervisor)->Wait();
+    ASSERT_TRUE(batch.ok());
+    ASSERT_FALSE(batch->done);
+    for (auto& e : batch->events) {
+      if (e.kind != EventKind::kOutput) continue;
+      if (!started) started = std::chrono::steady_clock::now();
+      events.push_back(std::move(e));
+    }
+  }
+  const auto held_for = std::chrono::steady_clock::now() - *started;
+  EXPECT_LT(held_for, std::chrono::milliseconds(1000));
+  EXPECT_GE(held_for, std::chrono::milliseconds(100));
+  EXPECT_EQ(Lines(events, 1), (std::map<int, std::string>{{0, "start|waiting...|"}}));
+  (*supervisor)->Cancel();
+  RunToEnd(**supervisor);
+  EXPECT_EQ(ReadFile(dir_ + "/rank_0.log"), "start\nwaiting...");
+}
+
+TEST_F(SupervisorTest, WaitWithALimitReturnsByThenWithNothingToReport) {
+  auto supervisor = Supervisor::Start(Options({"exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto batch = (*supervisor)->Wait(0.2);
+  const auto waited = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(batch.ok());
+  EXPECT_TRUE(batch->events.empty());
+  EXPECT_FALSE(batch->done);
+  EXPECT_FALSE(batch->interrupted);
+  EXPECT_GE(waited, std::chrono::milliseconds(200));
+  EXPECT_LT(waited, std::chrono::milliseconds(2000));
 }
 
 TEST_F(SupervisorTest, WhatARankLeavesBehindIsGoneWhenItsExitIsReported) {
@@ -263,6 +305,9 @@ TEST_F(SupervisorTest, InvalidOptionsAreRejected) {
   EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
   options = Options({"true"});
   options.keeper_path.clear();
+  EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
+  options = Options({"true"});
+  options.show_held_after_s = -1;
   EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
   options = Options({"true"});
   options.control_channel = false;

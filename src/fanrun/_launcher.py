@@ -54,7 +54,9 @@ RANK_DEFAULTS = {
 }
 
 
-_notices_shown: set[str] = set()
+# Whether this process has said that it found no GPU: once is enough, a notebook that calls
+# again knows it by then.
+no_gpu_notice_shown = False
 
 
 @dataclasses.dataclass
@@ -95,9 +97,9 @@ def run(
     variables still win); `on_paths` learns the run's files before any rank starts, so
     that the caller can read the logs afterwards, whatever the outcome."""
     preflight(plan)
-    if plan.notice and plan.notice not in _notices_shown:
-        # Once per process: a notebook that calls again knows it by then.
-        _notices_shown.add(plan.notice)
+    global no_gpu_notice_shown
+    if plan.notice and not no_gpu_notice_shown:
+        no_gpu_notice_shown = True
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
     paths = RunPaths.create(name)
     base_env = {**os.environ, **(extra_env or {})}
@@ -244,7 +246,7 @@ def _flatten(env: Mapping[str, str]) -> list[str]:
 
 def _pump(supervisor, mux: OutputMux, wakeup: _SignalWakeup, timeout_report: _TimeoutReport) -> None:
     while True:
-        events, interrupted, done = supervisor.wait()
+        events, interrupted, done = supervisor.wait(mux.seconds_to_redraw())
         for kind, rank, stream, segment, data, _exit in events:
             if kind == _core.EVENT_OUTPUT:
                 mux.write(rank, stream, segment, data)

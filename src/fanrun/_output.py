@@ -1,24 +1,28 @@
 """Writes the ranks' output to the caller's sys.stdout / sys.stderr, labelled by rank.
 
-sys.stdout is looked up at every write: in Jupyter it is the cell's stream, not fd 1.
-A line redrawn with '\\r' (a progress bar) is redrawn in place, and closed with a newline
-when another rank writes in between.
+The engine hands up lines, starts of lines not ended yet, and progress states (a line
+redrawn with '\\r'); _output_views shows them as the caller's stream allows: a bar stays
+one row in a terminal, in a Jupyter cell and (bounded) in a file or pipe.
 """
 
 from __future__ import annotations
 
 import collections
-import sys
+import time
 
 from . import _core
+from ._output_views import View, flush_streams, views_for_streams, visible
 
 TAIL_LINES = 40
+# The start of a line kept to complete it; a longer line is shown in pieces of this size.
+MAX_HELD_CHARS = 256 * 1024
 
 
 class OutputMux:
     def __init__(self, world_size: int) -> None:
-        self._prefixes = [f"[rank{r}]: " for r in range(world_size)]
-        self._open_progress: dict[int, int | None] = {1: None, 2: None}  # stream -> rank
+        self._labels = [f"[rank{r}]: " for r in range(world_size)]
+        self._views = views_for_streams(self._labels)
+        self._held: dict[tuple[int, int], str] = {}  # (rank, stream) -> start of its line
         self.stderr_tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(world_size)]
         self._capturing: dict[int, list[str]] | None = None
 
@@ -29,35 +33,42 @@ class OutputMux:
 
     def write(self, rank: int, stream_number: int, segment: int, data: bytes) -> None:
         text = data.decode("utf-8", "replace")
-        stream = sys.stdout if stream_number == 1 else sys.stderr
-        prefix = self._prefixes[rank]
-        open_rank = self._open_progress[stream_number]
+        key = (rank, stream_number)
+        view = self._views[stream_number]
+        now = time.monotonic()
         if segment == _core.SEGMENT_PROGRESS:
-            if open_rank == rank:
-                stream.write("\r" + prefix + text)
-            else:
-                stream.write(("\n" if open_rank is not None else "") + prefix + text)
-                self._open_progress[stream_number] = rank
+            self._held.pop(key, None)  # the line is redrawn from its start
+            view.progress(key, visible(text), now)
             return
-        if open_rank is not None:
-            stream.write("\r" if open_rank == rank else "\n")
-            self._open_progress[stream_number] = None
-        stream.write(prefix + text + "\n")
+        held = self._held.pop(key, "")
+        if segment == _core.SEGMENT_PARTIAL and len(held) + len(text) < MAX_HELD_CHARS:
+            self._held[key] = held + text
+            view.partial(key, visible(text), visible(held + text), now)
+            return
+        line = held + text
+        view.line(key, visible(line), visible(text), now)
         if stream_number == 2:
-            self.stderr_tails[rank].append(text)
+            self.stderr_tails[rank].append(line)
             if self._capturing is not None:
-                self._capturing[rank].append(text)
+                self._capturing[rank].append(line)
+
+    def seconds_to_redraw(self) -> float:
+        """How long the engine may wait before a live display is due a redraw; -1: no limit."""
+        now = time.monotonic()
+        waits = [wait for view in self._unique_views() if (wait := view.due_in(now)) is not None]
+        return min(waits, default=-1.0)
 
     def flush(self) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        """Redraws the live displays that are due, and sends what was written on."""
+        now = time.monotonic()
+        for view in self._unique_views():
+            view.redraw(now)
+        flush_streams()
 
     def close(self) -> None:
-        for number, stream in ((1, sys.stdout), (2, sys.stderr)):
-            if self._open_progress[number] is not None:
-                stream.write("\n")
-                self._open_progress[number] = None
-        self.flush()
+        for view in self._unique_views():
+            view.close()
+        flush_streams()
+
+    def _unique_views(self) -> list[View]:
+        return list({id(view): view for view in self._views.values()}.values())

@@ -35,6 +35,9 @@ struct SupervisorOptions {
   double stack_dump_wait_s = 1;    // how long the ranks get to write their stacks
   int wakeup_fd = -1;              // Wait() returns "interrupted" when this becomes readable
   size_t max_line_bytes = 64 * 1024;
+  // Output held for the rest of its line (a prompt, "waiting...") is shown once it has been
+  // held this long.
+  double show_held_after_s = 0.15;
   // Give each rank a pipe at fd 3 on which it reports "failed\n" the moment it has
   // written its error, before its (possibly slow) interpreter shutdown, and "done\n" once
   // it has written its result.
@@ -74,8 +77,9 @@ class Supervisor {
   ~Supervisor();
 
   // Blocks until there is something to report, a deadline passes, or a signal or the
-  // wakeup fd interrupts it. Not thread-safe: one thread pumps a supervisor.
-  Result<WaitResult> Wait();
+  // wakeup fd interrupts it; or, when max_wait_s >= 0, until that much time has passed
+  // (to redraw a display). Not thread-safe: one thread pumps a supervisor.
+  Result<WaitResult> Wait(double max_wait_s = -1);
   // Stops every rank: SIGTERM now, SIGKILL after the grace period. Idempotent.
   void Cancel();
   // Kills every rank still running, with every process it started, and reaps it, at once.
@@ -98,6 +102,7 @@ class Supervisor {
   struct Stream {
     FileDescriptor fd;
     LineSplitter lines;
+    std::optional<Clock::time_point> show_held_at;  // when what `lines` holds is shown
     explicit Stream(size_t max_line) : lines(max_line) {}
   };
 
@@ -123,10 +128,11 @@ class Supervisor {
   void OnExit(size_t rank, std::vector<Event>& events);
   void OnFailure(size_t rank);
   void HandleDeadlines(Clock::time_point now, std::vector<Event>& events);
+  void ShowHeldOutput(Clock::time_point now, std::vector<Event>& events);
   void Terminate(Clock::time_point now);
   void SignalRunning(int signo, bool with_descendants);
   bool AllReaped() const;
-  int MillisecondsToNextDeadline(Clock::time_point now) const;
+  int MillisecondsToNextDeadline(Clock::time_point now, std::optional<Clock::time_point> return_at) const;
 
   SupervisorOptions options_;
   std::vector<Rank> ranks_;
