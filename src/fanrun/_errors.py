@@ -81,6 +81,12 @@ class EngineOSError(OSError, FanrunError):
     """A system call failed in the engine."""
 
 
+class UnsafeDirectoryError(PermissionError, FanrunError):
+    """A directory fanrun would write in belongs to another user, can be written by others, or
+    lies under one that can: another user could plant files or links there. The message names
+    the directory and what to do."""
+
+
 # Checkpoints (fanrun.data.VolumeWriter / VolumeReader).
 class CheckpointCorruptError(OSError, FanrunError):
     """Checkpoint data does not match what was written: a checksum differs, a file is short
