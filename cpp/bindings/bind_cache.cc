@@ -179,6 +179,8 @@ void BindCache(nb::module_& m) {
              out["retries"] = stats.retries;
              out["evicted"] = stats.evicted;
              out["over_limit"] = stats.over_limit;
+             out["readmitted"] = stats.readmitted;
+             out["rejected"] = stats.rejected;
              return out;
            })
       .def("close", &PyFileCache::Close);

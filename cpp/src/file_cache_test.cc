@@ -1,4 +1,5 @@
-// Tests of the node-wide file cache: one fetch per file, verification, eviction, crashes.
+// Tests of the node-wide file cache: one fetch per file, verification, eviction, crashes,
+// damaged and planted files, and a directory no one else may use.
 #include "fanrun/file_cache.h"
 
 #include <dirent.h>
@@ -59,6 +60,26 @@ class FileCacheTest : public ::testing::Test {
     ::closedir(dir);
     std::sort(names.begin(), names.end());
     return names;
+  }
+
+  std::string CachePath(const std::string& sub) const { return cache_dir_ + "/" + sub; }
+
+  // Fetches the item once in a cache of its own, so that it sits complete in files/.
+  void Warm(const CacheItem& item) {
+    auto cache = OpenCache(0);
+    ASSERT_TRUE(cache->Acquire(item).ok());
+  }
+
+  static void Overwrite(const std::string& path, const std::string& bytes, int flags = O_WRONLY) {
+    const int fd = ::open(path.c_str(), flags);
+    ASSERT_GE(fd, 0) << path;
+    ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+    ::close(fd);
+  }
+
+  static mode_t ModeOf(const std::string& path) {
+    struct stat st;
+    return ::lstat(path.c_str(), &st) == 0 ? st.st_mode : 0;
   }
 
   static std::string Read(const std::string& path) {
@@ -225,6 +246,163 @@ TEST_F(FileCacheTest, RejectsNamesThatLeaveTheCacheDirectory) {
   ASSERT_FALSE(path.ok());
   EXPECT_EQ(path.status().code(), StatusCode::kInvalid);
   EXPECT_FALSE(cache->Prefetch(CacheItem{"/etc/hostname", "a/b", -1}).ok());
+}
+
+TEST_F(FileCacheTest, ASameSizeCorruptionIsFetchedAgainNotServed) {
+  CacheItem item = Source("same.bin", 4000, 's');
+  Warm(item);
+  Overwrite(CachePath("files/same.bin"), "CORRUPT");  // in place: the size stays 4000
+  auto cache = OpenCache(0);
+  auto path = cache->Acquire(item);
+  ASSERT_TRUE(path.ok()) << path.status().message();
+  EXPECT_EQ(Read(*path), std::string(4000, 's'));
+  EXPECT_EQ(cache->Stats().rejected, 1u);
+  EXPECT_EQ(cache->Stats().fetched, 1u);
+}
+
+TEST_F(FileCacheTest, ATruncatedFileIsFetchedAgainWhereTheSourceGaveNoSize) {
+  CacheItem item = Source("cut.bin", 20000, 'c');
+  item.size = -1;  // as over HTTP, where a listing gives no size
+  Warm(item);
+  ASSERT_EQ(::truncate(CachePath("files/cut.bin").c_str(), 1000), 0);
+  auto cache = OpenCache(0);
+  auto path = cache->Acquire(item);
+  ASSERT_TRUE(path.ok()) << path.status().message();
+  EXPECT_EQ(Read(*path), std::string(20000, 'c'));
+  EXPECT_EQ(cache->Stats().rejected, 1u);
+}
+
+TEST_F(FileCacheTest, AFileWhoseIdentityMovedIsReadmittedOnceItsChecksumHolds) {
+  // The same path as a fetcher that died between moving the file in and confirming its
+  // record, or a restart: the record no longer names the file's change time.
+  CacheItem item = Source("moved.bin", 3000, 'm');
+  Warm(item);
+  ASSERT_EQ(::chmod(CachePath("files/moved.bin").c_str(), 0600), 0);  // moves the change time only
+  auto cache = OpenCache(0);
+  ASSERT_TRUE(cache->Acquire(item).ok());
+  EXPECT_EQ(cache->Stats().readmitted, 1u);
+  EXPECT_EQ(cache->Stats().fetched, 0u);
+  cache->Release(item.name);
+  ASSERT_TRUE(cache->Acquire(item).ok());  // its record confirmed: a plain hit now
+  EXPECT_EQ(cache->Stats().hits, 1u);
+  EXPECT_EQ(cache->Stats().readmitted, 1u);
+}
+
+TEST_F(FileCacheTest, AFileWithoutItsRecordIsFetchedAgain) {
+  CacheItem item = Source("norecord.bin", 3000, 'n');
+  Warm(item);
+  ASSERT_EQ(::unlink(CachePath("records/norecord.bin").c_str()), 0);
+  auto cache = OpenCache(0);
+  ASSERT_TRUE(cache->Acquire(item).ok());
+  EXPECT_EQ(cache->Stats().rejected, 1u);
+  EXPECT_EQ(cache->Stats().fetched, 1u);
+}
+
+TEST_F(FileCacheTest, APlantedFileOfTheRightSizeIsNotServed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to plant a file of another user";
+  CacheItem item = Source("planted.bin", 2000, 'p');
+  Warm(item);
+  // Another user's file in place of the cached one (made by root, then given away).
+  const std::string planted = CachePath("files/planted.bin");
+  ASSERT_EQ(::unlink(planted.c_str()), 0);
+  Overwrite(planted, std::string(2000, 'E'), O_WRONLY | O_CREAT | O_EXCL);
+  ASSERT_EQ(::chown(planted.c_str(), 65534, 65534), 0);
+  auto cache = OpenCache(0);
+  auto path = cache->Acquire(item);
+  ASSERT_TRUE(path.ok()) << path.status().message();
+  EXPECT_EQ(Read(*path), std::string(2000, 'p'));
+  EXPECT_EQ(cache->Stats().rejected, 1u);
+}
+
+TEST_F(FileCacheTest, LinksInTheCacheAreNeverFollowed) {
+  CacheItem item = Source("linked.bin", 1000, 'l');
+  const std::string victim = root_ + "/victim", created = root_ + "/created";
+  std::ofstream(victim) << std::string(1000, 'V');  // the right size, to be served if followed
+  auto cache = OpenCache(1 << 20);
+  // Planted after the cache swept partial/ at open, where a fetch will write.
+  ASSERT_EQ(::symlink(victim.c_str(), CachePath("files/linked.bin").c_str()), 0);
+  ASSERT_EQ(::symlink(victim.c_str(), CachePath("partial/linked.bin").c_str()), 0);
+  ASSERT_EQ(::symlink(created.c_str(), CachePath("locks/linked.bin").c_str()), 0);
+  ASSERT_EQ(::symlink(victim.c_str(), CachePath("records/linked.bin").c_str()), 0);
+  auto path = cache->Acquire(item);
+  ASSERT_TRUE(path.ok()) << path.status().message();
+  EXPECT_EQ(Read(*path), std::string(1000, 'l'));
+  EXPECT_TRUE(S_ISREG(ModeOf(*path)));
+  EXPECT_EQ(Read(victim), std::string(1000, 'V'));
+  EXPECT_NE(::access(created.c_str(), F_OK), 0);
+}
+
+TEST_F(FileCacheTest, AUsageFileThatIsALinkIsRefusedNotWrittenThrough) {
+  const std::string victim = root_ + "/victim";
+  std::ofstream(victim) << "untouched";
+  ASSERT_EQ(::mkdir(cache_dir_.c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(victim.c_str(), CachePath("usage").c_str()), 0);
+  CacheOptions options;
+  options.dir = cache_dir_;
+  options.limit_bytes = 1 << 20;  // the usage file would be written on every commit
+  auto cache = FileCache::Open(options, CopyLocalFile);
+  ASSERT_FALSE(cache.ok());
+  EXPECT_NE(cache.status().message().find("'" + CachePath("usage") + "' is a symbolic link"), std::string::npos)
+      << cache.status().message();
+  EXPECT_EQ(Read(victim), "untouched");
+  EXPECT_TRUE(S_ISLNK(ModeOf(CachePath("usage"))));  // in the directory the caller named: not fanrun's to remove
+}
+
+TEST_F(FileCacheTest, EverythingTheCacheMakesIsPrivateWhateverTheUmask) {
+  for (mode_t mask : {mode_t{0}, mode_t{022}}) {
+    cache_dir_ = root_ + "/cache" + std::to_string(mask);
+    CacheItem item = Source("private" + std::to_string(mask), 500);
+    ASSERT_EQ(::chmod(item.source.c_str(), 0644), 0);
+    const mode_t previous = ::umask(mask);
+    {
+      auto cache = OpenCache(1 << 20);
+      ASSERT_TRUE(cache->Acquire(item).ok());
+    }
+    ::umask(previous);
+    EXPECT_EQ(ModeOf(cache_dir_) & 07777, 0700u);
+    for (const char* sub : {"files", "partial", "locks", "records"}) {
+      EXPECT_EQ(ModeOf(CachePath(sub)) & 07777, 0700u) << sub;
+      for (const std::string& name : Listing(sub)) {
+        EXPECT_EQ(ModeOf(CachePath(std::string(sub) + "/" + name)) & 07777, 0600u) << sub << "/" << name;
+      }
+    }
+    EXPECT_EQ(ModeOf(CachePath("usage")) & 07777, 0600u);
+  }
+}
+
+TEST_F(FileCacheTest, AFetcherThatLeavesAFileOfItsOwnHasItMadePrivate) {
+  CacheItem item = Source("own.bin", 300, 'o');
+  Fetcher replacing = [&](const CacheItem& wanted, const std::string& partial) {
+    // Written beside and renamed over, as some fetchers do, with the umask's mode.
+    const std::string beside = partial + ".tmp";
+    const int fd = ::open(beside.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (fd < 0) return Status::IOErrorFromErrno(errno, "open");
+    const std::string bytes = Read(wanted.source);
+    const bool written = ::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size());
+    ::close(fd);
+    if (!written || ::rename(beside.c_str(), partial.c_str()) != 0) return Status::IOError("write");
+    return Status::OK();
+  };
+  auto cache = OpenCache(0, replacing);
+  auto path = cache->Acquire(item);
+  ASSERT_TRUE(path.ok()) << path.status().message();
+  EXPECT_EQ(Read(*path), std::string(300, 'o'));
+  EXPECT_EQ(ModeOf(*path) & 07777, 0600u);
+}
+
+TEST_F(FileCacheTest, ACacheDirectoryOfAnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a directory away";
+  ASSERT_EQ(::mkdir(cache_dir_.c_str(), 0755), 0);
+  ASSERT_EQ(::chown(cache_dir_.c_str(), 65534, 65534), 0);
+  CacheOptions options;
+  options.dir = cache_dir_;
+  auto cache = FileCache::Open(options, CopyLocalFile);
+  ASSERT_FALSE(cache.ok());
+  EXPECT_NE(cache.status().message().find("Cannot use the cache directory '" + cache_dir_ + "': '" + cache_dir_ +
+                                          "' belongs to uid 65534"),
+            std::string::npos)
+      << cache.status().message();
+  EXPECT_TRUE(Listing("").empty());  // nothing made in it
 }
 
 }  // namespace

@@ -12,8 +12,8 @@ from ._errors import PayloadSerializationError as PayloadSerializationError
 from ._errors import RankFailedError as RankFailedError
 from ._errors import ResultSerializationError as ResultSerializationError
 from ._errors import RunTimeoutError as RunTimeoutError
+from ._errors import UnsafePathError as UnsafePathError
 from ._errors import WorkingDirectoryError as WorkingDirectoryError
-from ._private_dir import UnsafePathError as UnsafePathError
 from ._torch_distributor import TorchDistributor as TorchDistributor
 
 __version__ = "0.1.0"

@@ -99,6 +99,12 @@ class EngineOSError(OSError, FanrunError):
     """A system call failed in the engine."""
 
 
+class UnsafePathError(PermissionError, FanrunError):
+    """A directory or file fanrun would use is not the caller's alone: another user owns it,
+    others can write it (or a directory above it), or it is a symbolic link. Another user could
+    plant files or links there. The message names it and says what to do."""
+
+
 # Checkpoints (fanrun.data.VolumeWriter / VolumeReader).
 class CheckpointCorruptError(OSError, FanrunError):
     """Checkpoint data does not match what was written: a checksum differs, a file is short

@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from ._private_dir import UnsafePathError, ensure_private_dir, open_private
+from ._errors import UnsafePathError
+from ._private_dir import open_private, open_private_dir
 
 # Finished runs beyond the newest this many are removed when a new run starts.
 KEEP_RUNS = 100
@@ -31,34 +32,33 @@ _RUN_NAME = re.compile(r"\d{8}-\d{6}-\d{6}-[A-Za-z0-9_.-]{1,40}-[0-9a-f]{6}")
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+_ROOT_REMEDY = (
+    "Use a directory that you own and that only you can write: fix this one (chown it to yourself, chmod 700), "
+    "remove it so that fanrun makes it afresh, or set FANRUN_RUNS_DIR to a directory of your own (its real path, "
+    "not a link)."
+)
+
+
 def open_runs_root() -> tuple[Path, int]:
     """The runs root and a descriptor of it: $FANRUN_RUNS_DIR, else $XDG_CACHE_HOME/fanrun/runs
     (~/.cache by default), else, where that cannot be made, $TMPDIR/fanrun-<uid>/runs.
     A root that is not the caller's alone is refused (UnsafePathError), never replaced."""
     configured = os.environ.get("FANRUN_RUNS_DIR")
     if configured:
-        return _open_root(Path(configured), under=None)
+        return _open_root(Path(configured))
     cache = Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
     try:
-        return _open_root(cache / "fanrun" / "runs", under=cache)
+        return _open_root(cache / "fanrun" / "runs")
     except UnsafePathError:
         raise
     except OSError:
         # A read-only or broken home. In a shared $TMPDIR, every level made there is checked.
-        tmp = Path(tempfile.gettempdir())
-        return _open_root(tmp / f"fanrun-{os.getuid()}" / "runs", under=tmp)
+        return _open_root(Path(tempfile.gettempdir()) / f"fanrun-{os.getuid()}" / "runs")
 
 
-def _open_root(path: Path, under: Path | None) -> tuple[Path, int]:
+def _open_root(path: Path) -> tuple[Path, int]:
     path = Path(os.path.abspath(path))
-    try:
-        return path, ensure_private_dir(path, under=under)
-    except UnsafePathError as error:
-        raise UnsafePathError(
-            f"fanrun will not keep its runs in {path}: {error}. Use a directory that you own and that only "
-            f"you can write: fix this one (chown it to yourself, chmod 700), remove it so that fanrun makes it "
-            f"afresh, or set FANRUN_RUNS_DIR to a directory of your own (its real path, not a link)."
-        ) from None
+    return path, open_private_dir(path, what="fanrun's runs directory", remedy=_ROOT_REMEDY)
 
 
 class RunPaths:

@@ -1,55 +1,66 @@
-"""Directories and files that are the caller's alone: made 0700 and 0600, accepted only when
-the caller owns them and nobody else can write them, opened through a descriptor, never through a link."""
+"""Directories and files that are the caller's alone, for everything fanrun keeps on disk (runs,
+caches): opened, or made 0700 and 0600 whatever the umask, one component at a time without
+following a link, and each checked on its descriptor.
+
+The rule (the engine's cpp/src/private_dir.cc applies the same one to the directories it opens):
+the directory itself belongs to the caller and nobody else can write it, and is not a link;
+each directory above it belongs to the caller or to root and nobody else can write it, unless it
+is sticky (as /tmp is), so that no one can move another directory in place of the one checked.
+A link above the directory (a home under /data, say) is followed only where it belongs to root
+or to the caller, and what it leads to is checked the same way. Files inside are opened relative
+to the returned descriptor with O_NOFOLLOW.
+"""
 
 from __future__ import annotations
 
 import errno
 import os
 import stat
-from pathlib import Path
 
-from ._errors import FanrunError
+from ._errors import UnsafePathError
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class UnsafePathError(PermissionError, FanrunError):
-    """A directory or file fanrun would use is not the caller's alone: another user owns it,
-    others can write it, or it is a symbolic link."""
-
-
-def ensure_private_dir(path: str | os.PathLike, create: bool = True, *, under: str | os.PathLike | None = None) -> int:
-    """Opens the directory `path` and returns its descriptor (close-on-exec).
-
-    Every level below `under` (default: `path`'s parent), down to `path` itself, is opened
-    without following links and must be owned by the caller and writable by nobody else;
-    with `create`, missing levels are made 0700 whatever the umask. Where `under` does not
-    exist, the levels start at its nearest existing ancestor. `under` itself may be a link
-    and anyone's (/tmp is root's and everyone's); nothing is made or checked above it."""
-    target = Path(os.path.abspath(path))
-    top = Path(os.path.abspath(under)) if under is not None else target.parent
-    if top not in target.parents:
-        raise ValueError(f"{top} is not above {target}")
-    while not top.is_dir() and top != top.parent:
-        top = top.parent
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    where = top
+def open_private_dir(path: str | os.PathLike, *, what: str, remedy: str, create: bool = True) -> int:
+    """A descriptor of `path` (O_DIRECTORY, close-on-exec), made with its missing parents (0700)
+    where it does not exist and `create` is set. `what` names the directory in errors ("the
+    cache directory"), `remedy` says what to do instead; the caller closes the descriptor."""
+    absolute = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(absolute)
+    if not name:
+        raise UnsafePathError(f"{what} cannot be '/'. {remedy}")
+    parts = [part for part in parent.split("/") if part] + [name]
+    fd = os.open("/", _DIRECTORY_FLAGS)
+    walked = "/"
     try:
-        for name in target.relative_to(top).parts:
-            where = where / name
-            made = False
-            if create:
-                try:
-                    os.mkdir(name, 0o700, dir_fd=fd)
-                    made = True
-                except FileExistsError:
-                    pass  # another process's, or a plant: checked below like any existing level
-            child = _open_level(fd, name, where)
+        _check_above(os.fstat(fd), walked, what, remedy)
+        for i, part in enumerate(parts):
+            walked = os.path.join(walked, part)
+            last = i + 1 == len(parts)
+            child = _open_or_make(fd, part, walked, what, remedy, create, follow_trusted_link=not last)
             os.close(fd)
             fd = child
-            if made:
-                os.fchmod(fd, 0o700)  # mkdir's mode is cut by the umask; a 0 umask would leave it wide open
-            _check_ours(os.fstat(fd), where, writable_only=True)
+            if last:
+                _check_own(os.fstat(fd), walked, what, remedy)
+            else:
+                _check_above(os.fstat(fd), walked, what, remedy)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_private_subdir(parent_fd: int, name: str, parent_path: str, *, what: str, remedy: str) -> int:
+    """A descriptor of the subdirectory `name` of a private directory, made 0700 where missing,
+    with the same checks; one of fanrun's own found with a wider mode is narrowed to 0700."""
+    path = os.path.join(parent_path, name)
+    fd = _open_or_make(parent_fd, name, path, what, remedy, create=True, follow_trusted_link=False)
+    try:
+        st = os.fstat(fd)
+        _check_own(st, path, what, remedy)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
         return fd
     except BaseException:
         os.close(fd)
@@ -57,8 +68,8 @@ def ensure_private_dir(path: str | os.PathLike, create: bool = True, *, under: s
 
 
 def open_private(dir_fd: int, name: str, flags: int) -> int:
-    """Opens `name` in the directory `dir_fd` without following a link; a file it creates is
-    0600. Returns the descriptor (close-on-exec) only if it is a regular file of the caller's
+    """Opens the file `name` in the directory `dir_fd` without following a link; a file it creates
+    is 0600. Returns the descriptor (close-on-exec) only if it is a regular file of the caller's
     that nobody else can read or write."""
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
@@ -70,33 +81,70 @@ def open_private(dir_fd: int, name: str, flags: int) -> int:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise UnsafePathError(f"{name} is not a regular file")
-        _check_ours(info, Path(name), writable_only=False)
+        me = os.geteuid()
+        if info.st_uid != me:
+            raise UnsafePathError(f"{name} belongs to uid {info.st_uid}, not to you (uid {me})")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise UnsafePathError(f"others can read or write {name} (mode {stat.S_IMODE(info.st_mode):04o})")
         return fd
     except BaseException:
         os.close(fd)
         raise
 
 
-def _open_level(parent_fd: int, name: str, where: Path) -> int:
-    try:
-        return os.open(name, _DIRECTORY_FLAGS, dir_fd=parent_fd)
-    except OSError as error:
-        # O_NOFOLLOW with O_DIRECTORY reports a link as "not a directory".
-        if error.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.lstat(name, dir_fd=parent_fd).st_mode):
-            target = os.readlink(name, dir_fd=parent_fd)
-            raise UnsafePathError(
-                f"{where} is a symbolic link (to {target}), and fanrun follows no link to a directory it writes in"
-            ) from None
-        raise OSError(error.errno, error.strerror, str(where)) from None
+def _open_or_make(parent_fd: int, name: str, path: str, what: str, remedy: str, create: bool,
+                  follow_trusted_link: bool) -> int:
+    for _ in range(2):
+        try:
+            return os.open(name, _DIRECTORY_FLAGS, dir_fd=parent_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+        except OSError as error:
+            # O_NOFOLLOW with O_DIRECTORY reports a link as "not a directory".
+            link = os.lstat(name, dir_fd=parent_fd) if error.errno in (errno.ELOOP, errno.ENOTDIR) else None
+            if link is None or not stat.S_ISLNK(link.st_mode):
+                raise OSError(error.errno, f"{what}: '{path}': {error.strerror}", path) from None
+            if not follow_trusted_link:
+                raise UnsafePathError(f"{what}: '{path}' is a symbolic link, and fanrun follows no link to the "
+                                      f"directory it keeps files in. {remedy}") from None
+            if link.st_uid not in (0, os.geteuid()):
+                raise UnsafePathError(f"{what}: '{path}' is a symbolic link made by uid {link.st_uid}, and fanrun "
+                                      f"follows no link that another user made. {remedy}") from None
+            # Made by root or the caller, in a directory only they can change: what it leads to is
+            # opened, and checked like any other level.
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd)
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            continue  # made by another process meanwhile: open it as it is
+        except OSError as error:
+            raise OSError(error.errno, f"{what}: could not create '{path}': {error.strerror}. {remedy}") from None
+        fd = os.open(name, _DIRECTORY_FLAGS, dir_fd=parent_fd)
+        os.fchmod(fd, 0o700)  # mkdir's mode went through the umask
+        return fd
+    raise FileNotFoundError(f"{what}: '{path}' vanished while it was opened")
 
 
-def _check_ours(info: os.stat_result, where: Path, *, writable_only: bool) -> None:
+def _check_own(st: os.stat_result, path: str, what: str, remedy: str) -> None:
     me = os.geteuid()
-    if info.st_uid != me:
+    if st.st_uid != me:
         raise UnsafePathError(
-            f"{where} belongs to uid {info.st_uid}, not to you (uid {me}): that user could plant files in it that fanrun would load"
-        )
-    others = stat.S_IMODE(info.st_mode) & (0o022 if writable_only else 0o077)
-    if others:
-        access = "write" if writable_only else "read or write"
-        raise UnsafePathError(f"others can {access} {where} (mode {stat.S_IMODE(info.st_mode):04o})")
+            f"{what} '{path}' belongs to uid {st.st_uid}, not to you (uid {me}): its owner could plant files "
+            f"that fanrun would load, or read what fanrun writes there. {remedy}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafePathError(
+            f"{what} '{path}' can be written by other users (mode {stat.S_IMODE(st.st_mode):04o}): they could plant "
+            f"files or links in it. Remove their write access (chmod go-w '{path}'), or: {remedy}")
+
+
+def _check_above(st: os.stat_result, path: str, what: str, remedy: str) -> None:
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        raise UnsafePathError(
+            f"{what} lies under '{path}', which belongs to uid {st.st_uid}: that user could move another directory "
+            f"in its place. {remedy}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise UnsafePathError(
+            f"{what} lies under '{path}', which other users can write (mode {stat.S_IMODE(st.st_mode):04o}) and is "
+            f"not sticky: they could move another directory in its place. {remedy}")

@@ -4,15 +4,31 @@
 // file is fetched once. All coordination is through the directory itself with flock
 // locks, which the kernel drops when a process dies, so a crash leaves nothing held and
 // nothing in /dev/shm:
-//   files/<name>     complete, verified files: the only ones ever served
+//   files/<name>     complete files: the only ones ever served, and only as their record says
+//   records/<name>   what the cache knows of files/<name> (FileCache::Record, 64 bytes); its
+//                    modification time is the file's last use, which orders eviction
 //   partial/<name>   a fetch in progress, renamed into files/ once its size is verified
-//   locks/<name>     held exclusively while <name> is fetched (one fetcher per node)
+//   locks/<name>     held exclusively while <name> is fetched, verified or evicted
 //   usage            bytes in files/, guarded by its own flock; a hint, rebuilt by a scan
 // The limit bounds files/; fetches in flight (one per thread) sit in partial/ beside it.
 // A file in use holds a shared flock on its files/ entry; eviction takes an exclusive
 // one without waiting, so it only ever removes files no process is using.
+//
+// The directory belongs to the caller (see private_dir.h); every file in it is opened
+// relative to a directory descriptor with O_NOFOLLOW, and made 0600, directories 0700.
+//
+// Each fetch records the file's size and CRC32C, then, once the file is in files/, its
+// identity: inode, change time and the boot it was written in. Every open compares the
+// open file's fstat with its record: a file whose size, owner or record disagrees is fetched
+// again, never served. One whose record holds but whose identity moved is verified (its size
+// and CRC32C read again) before it is served: it was re-admitted after a crash (its fetcher
+// died between moving it in and confirming its record, or the machine restarted: the cache
+// does not fsync), or it was written, truncated or chmod-ed in place, which moves its change time.
 #pragma once
 
+#include <sys/stat.h>
+
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -25,6 +41,7 @@
 #include <vector>
 
 #include "fanrun/fd.h"
+#include "fanrun/private_dir.h"
 #include "fanrun/status.h"
 
 namespace fanrun {
@@ -43,7 +60,8 @@ struct CacheItem {
   int64_t size = -1;   // expected bytes, verified after the fetch; -1 when unknown
 };
 
-// Writes the whole of item.source into partial_path (creating or truncating it).
+// Writes the whole of item.source into partial_path, which the cache has just made, empty and
+// private to its owner (opening it again with O_TRUNC keeps its mode).
 // Called on the pool's threads, several at a time.
 using Fetcher = std::function<Status(const CacheItem& item, const std::string& partial_path)>;
 
@@ -60,6 +78,8 @@ struct CacheStats {
   uint64_t retries = 0;        // failed attempts that were tried again
   uint64_t evicted = 0;        // files this process removed to stay under the limit
   uint64_t over_limit = 0;     // times files in use alone exceeded the limit
+  uint64_t readmitted = 0;     // files whose identity had moved, served once their checksum verified
+  uint64_t rejected = 0;       // files found in the cache but fetched again: size, owner, record or checksum
 };
 
 class FileCache {
@@ -94,22 +114,56 @@ class FileCache {
     bool released = false;  // released while a thread was fetching it
   };
 
-  FileCache(CacheOptions options, Fetcher fetcher, FileDescriptor usage);
+  // What records/<name> says of files/<name>; its encoding is in file_cache.cc.
+  struct Record {
+    uint64_t size = 0;
+    uint32_t crc32c = 0;  // of the file's bytes
+    uint64_t inode = 0;   // identity: the file the record was confirmed for
+    int64_t change_sec = 0;
+    int64_t change_nsec = 0;
+    std::array<uint8_t, 16> boot{};  // the boot it was confirmed in
+  };
+  enum class Verdict {
+    kMissing,  // nothing in files/, or evicted or replaced while it was opened
+    kServe,    // its record holds and its identity has not moved
+    kVerify,   // its record holds but its identity moved: read its checksum before serving it
+    kReplace,  // not to be served: no record, or a size, owner or type that disagrees
+  };
+  struct Held {
+    FileDescriptor pin;  // shared flock on files/<name>, when there is one
+    Verdict verdict = Verdict::kMissing;
+    Record record;
+    struct stat st = {};
+  };
+  struct Directories {
+    PrivateDirectory root;
+    FileDescriptor files, partial, locks, records;
+  };
+
+  FileCache(CacheOptions options, Fetcher fetcher, Directories dirs, FileDescriptor usage,
+            std::array<uint8_t, 16> boot);
   void Run();
   // Records the outcome of a fetch; called with mutex_ held.
   void Finish(const std::string& name, Result<FileDescriptor> pin);
   // Brings the file into files/ and returns a descriptor holding its shared flock.
   Result<FileDescriptor> Materialize(const CacheItem& item);
-  Result<FileDescriptor> PinIfComplete(const CacheItem& item, bool* found);
-  Status FetchOnce(const CacheItem& item, uint64_t* bytes);
+  // Opens files/<name>, takes its shared flock and judges it against its record.
+  Result<Held> Inspect(const CacheItem& item) const;
+  // Whether a held file still has its record's bytes; if so its record is confirmed anew.
+  Result<bool> Verify(const std::string& name, const Held& held);
+  // Fetches into partial/, records, moves into files/ and returns the file's pin.
+  Result<FileDescriptor> FetchOnce(const CacheItem& item, uint64_t* bytes);
+  Status WriteRecord(const std::string& name, const Record& record) const;
   // Moves a verified fetch into files/, first evicting least recently used files not in
   // use until `bytes` more fit under the limit.
-  Status Commit(const std::string& partial, const std::string& final_path, uint64_t bytes);
+  Status Commit(const std::string& name, uint64_t bytes);
   // Scans files/ and evicts; returns the bytes left there.
   Result<uint64_t> EvictUntil(uint64_t need);
 
-  const CacheOptions options_;
+  const CacheOptions options_;  // its dir as opened: absolute, links resolved
   const Fetcher fetcher_;
+  const Directories dirs_;
+  const std::array<uint8_t, 16> boot_;
 
   mutable std::mutex mutex_;
   std::condition_variable work_ready_;

@@ -7,17 +7,35 @@ import errno
 import hashlib
 import os
 import re
-import tempfile
 
 from .._errors import CacheLimitError
+from .._private_dir import open_private_dir
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def default_cache_dir() -> str:
-    """One directory per user and node, shared by runs, so that a second run starts warm."""
-    return os.environ.get("FANRUN_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"fanrun-cache-{os.getuid()}")
+    """One directory per user and node, shared by runs, so that a second run starts warm:
+    $FANRUN_CACHE_DIR, or fanrun/data in the user's cache directory ($XDG_CACHE_HOME, or
+    ~/.cache where that is unset or not absolute, as the XDG base directory rules say)."""
+    explicit = os.environ.get("FANRUN_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fanrun", "data")
+
+
+CACHE_DIR_REMEDY = ("Give VolumeDataset a cache_dir (or set FANRUN_CACHE_DIR to one) that belongs to you and only "
+                    "you can write, or leave both unset for fanrun/data under $XDG_CACHE_HOME or ~/.cache.")
+
+
+def open_cache_dir(path: str) -> int:
+    """A descriptor of the cache directory, made (0700) where missing; refused with
+    UnsafePathError where another user owns it or could write it, or a directory above it."""
+    return open_private_dir(path, what="The cache directory", remedy=CACHE_DIR_REMEDY)
 
 
 def parse_byte_size(value: int | str | None) -> int:

@@ -17,7 +17,8 @@ import torch.utils.data
 from .. import _core
 from .._errors import DataFileError, FanrunError
 from . import _split
-from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, native_http_allowed, parse_byte_size)
+from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, native_http_allowed, open_cache_dir,
+                     parse_byte_size)
 from ._dataset_source import SourceFile, shared_listing
 from ._first_batches import FirstBatchTurns, Turn
 
@@ -50,7 +51,10 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         few are padded with repeats of the epoch's first remaining files (fewer than the world
         size), with drop_last=True they are left out instead.
     cache_dir, cache_limit: where remote files are cached on this node (shared by ranks,
-        workers and later runs) and how large it may grow (``"20GB"``; None: unbounded).
+        workers and later runs) and how large it may grow (``"20GB"``; None: unbounded). By
+        default ``$FANRUN_CACHE_DIR``, or ``fanrun/data`` under ``$XDG_CACHE_HOME`` or
+        ``~/.cache``; a directory another user owns or can write is refused
+        (UnsafePathError).
     cache_local: also copy local files into the cache (for slow mounts); by default local
         files are read in place.
     prefetch: files each reader fetches ahead of the one it yields: into the cache, or for
@@ -98,8 +102,12 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self.retries = retries
         self.skip_unreadable = skip_unreadable
         self.storage_options = dict(storage_options or {})
-        os.makedirs(self.cache_dir, exist_ok=True)
-        self._files: list[SourceFile] = shared_listing(source, pattern, self.storage_options, self.cache_dir)
+        cache_dir_fd = open_cache_dir(self.cache_dir)  # refused here, before any work, if not the caller's alone
+        try:
+            self._files: list[SourceFile] = shared_listing(source, pattern, self.storage_options, self.cache_dir,
+                                                           cache_dir_fd)
+        finally:
+            os.close(cache_dir_fd)
         self._cached = [self._is_cached(f) for f in self._files]
         self._native_http = native_http_allowed(self.storage_options)
         remote = next((f.source for f in self._files if not f.local), None)

@@ -2,8 +2,8 @@
 
 The listing is recursive and sorted. When ranks of one fanrun (or torchrun) run build the same
 dataset, the first to take a flock on the listing's lock file lists the source and writes the
-result atomically (temporary file, then rename) into the cache directory; the others wait on
-that lock and read the file. A lock dies with its process, so a rank that crashed while
+result atomically (temporary file, then rename) into listings/ of the cache directory; the others
+wait on that lock and read the file. A lock dies with its process, so a rank that crashed while
 listing leaves nothing held.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import fnmatch
 import gc
@@ -18,11 +19,14 @@ import hashlib
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from .._errors import DataSourceError
+from .._private_dir import open_private_subdir
+from ._cache import CACHE_DIR_REMEDY
 
 # A listing file older than this belongs to a finished run.
 _STALE_LISTING_S = 24 * 3600
@@ -183,35 +187,85 @@ def _run_token() -> str | None:
 
 
 def shared_listing(
-    source, pattern: str | None, storage_options: dict, cache_dir: str
+    source, pattern: str | None, storage_options: dict, cache_dir: str, cache_dir_fd: int
 ) -> list[SourceFile]:
-    """list_files, done by one process of the run on this node and read by the others."""
+    """list_files, done by one process of the run on this node and read by the others. The
+    listing and its lock are in listings/ of the cache directory (open as cache_dir_fd, already
+    checked to be the caller's alone), opened there without following links, and private."""
     token = _run_token()
     if token is None:
         return list_files(source, pattern, storage_options)
     key = hashlib.sha256(json.dumps([token, repr(source), pattern], sort_keys=True).encode()).hexdigest()[:32]
-    directory = os.path.join(cache_dir, "listings")
-    os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, key + ".json")
-    with open(os.path.join(directory, key + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
-        if os.path.exists(target):
-            with open(target) as file, _collector_paused():
-                return list(map(SourceFile._make, json.load(file)))
-        files = list_files(source, pattern, storage_options)
-        temporary = f"{target}.{os.getpid()}.tmp"
-        with open(temporary, "w") as file:
-            file.write(json.dumps(files, separators=(",", ":")))
-        os.replace(temporary, target)
-    _remove_stale_listings(directory)
-    return files
+    directory = open_private_subdir(cache_dir_fd, "listings", cache_dir, what="The cache directory",
+                                    remedy=CACHE_DIR_REMEDY)
+    try:
+        lock = _open_own(key + ".lock", os.O_RDWR | os.O_CREAT, directory)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
+            files = _read_listing(key + ".json", directory)
+            if files is not None:
+                return files
+            files = list_files(source, pattern, storage_options)
+            _write_listing(key + ".json", files, directory)
+        finally:
+            os.close(lock)
+        _remove_stale_listings(directory)
+        return files
+    finally:
+        os.close(directory)
 
 
-def _remove_stale_listings(directory: str) -> None:
+def _open_own(name: str, flags: int, directory: int) -> int:
+    """Opens a file of fanrun's own in `directory`, 0600 where it is made; a link in its place
+    is removed, never followed."""
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, 0o600, dir_fd=directory)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+    os.unlink(name, dir_fd=directory)
+    return os.open(name, flags, 0o600, dir_fd=directory)
+
+
+def _read_listing(name: str, directory: int) -> list[SourceFile] | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None  # not fanrun's: replaced when the listing is written
+        raise
+    with os.fdopen(fd) as file, _collector_paused():
+        return list(map(SourceFile._make, json.load(file)))
+
+
+def _write_listing(name: str, files: list[SourceFile], directory: int) -> None:
+    """Written whole to a temporary file, then renamed over `name`: readers see all or nothing."""
+    temporary = f"{name}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary, dir_fd=directory)  # left by a process of the same pid that died
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                 dir_fd=directory)
+    with os.fdopen(fd, "w") as file:
+        file.write(json.dumps(files, separators=(",", ":")))
+    os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+
+
+def _remove_stale_listings(directory: int) -> None:
+    """Removes listings (and their locks and temporary files) of finished runs: only files of
+    the names fanrun gives them."""
     cutoff = time.time() - _STALE_LISTING_S
     for entry in os.scandir(directory):
+        if not _LISTING_NAME.fullmatch(entry.name):
+            continue
         try:
-            if entry.stat().st_mtime < cutoff:
-                os.unlink(entry.path)
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                os.unlink(entry.name, dir_fd=directory)
         except FileNotFoundError:
             pass  # another rank removed it first
+
+
+_LISTING_NAME = re.compile(r"[0-9a-f]{32}\.(lock|json|json\.[0-9]+\.tmp)")
