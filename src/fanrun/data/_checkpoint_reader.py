@@ -140,12 +140,15 @@ class VolumeReader(StorageReader):
                     to_device |= pin
                     buffer = torch.empty(location.shape, dtype=getattr(torch, location.dtype), pin_memory=pin)
                     after.append((location, buffer, requests))
+            # The engine reads nothing unless the item fills the buffer exactly and lies in its file.
+            buffer_size = buffer.numel() * buffer.element_size()
             reads.append(
                 (
                     file_index[location.file],
                     location.offset,
                     location.length,
-                    buffer.data_ptr() if location.length else 0,
+                    buffer.data_ptr() if buffer_size else 0,
+                    buffer_size,
                     location.crc32c,
                     _label(index),
                 )
