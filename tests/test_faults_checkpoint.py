@@ -331,7 +331,15 @@ def test_a_metadata_pickle_that_runs_code_is_refused_before_it_is_unpickled(tmp_
 # ---------------------------------------------------------------- remote files
 
 
-class _QuietHandler(SimpleHTTPRequestHandler):
+class _Handler(SimpleHTTPRequestHandler):
+    """Serves a directory; paths in the server's `broken` answer 500 instead."""
+
+    def do_GET(self):
+        if self.path in self.server.broken:
+            self.send_error(500, "broken on purpose")
+            return
+        super().do_GET()
+
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         pass
 
@@ -339,10 +347,11 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 @pytest.fixture
 def http_root(tmp_path):
     """A directory served over HTTP on 127.0.0.1 (with index pages, as fsspec lists them)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(tmp_path)))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(tmp_path)))
+    server.broken = set()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield tmp_path, f"http://127.0.0.1:{server.server_port}"
+    yield tmp_path, f"http://127.0.0.1:{server.server_port}", server.broken
     server.shutdown()
     server.server_close()
     thread.join()
@@ -350,13 +359,14 @@ def http_root(tmp_path):
 
 def test_a_checkpoint_over_http_loads_and_a_404_names_the_url(http_root):
     """A checkpoint served over HTTP loads (the index page gives no sizes, so those checks wait
-    for the download). A data file that answers 404 is a NotACheckpointError (a
-    FileNotFoundError) naming its URL, not a CheckpointCorruptError."""
+    for the download). A data file that answers 500 keeps fsspec's error, with the URL added;
+    one that answers 404 is a NotACheckpointError (a FileNotFoundError) naming its URL. Neither
+    is a CheckpointCorruptError."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from fanrun.data import VolumeReader, VolumeWriter
 
-    directory, url = http_root
+    directory, url, broken = http_root
     save_here(small_state(), VolumeWriter(directory / "ckpt"))
     into = empty_like(small_state())
     load_here(into, VolumeReader(f"{url}/ckpt", local_staging_dir=directory))
@@ -364,12 +374,21 @@ def test_a_checkpoint_over_http_loads_and_a_404_names_the_url(http_root):
 
     reader = VolumeReader(f"{url}/ckpt", local_staging_dir=directory)
     data_name = next(iter(json.loads((directory / "ckpt" / RECORD).read_text())["files"]))
+    broken.add(f"/ckpt/{data_name}")
+    with pytest.raises(CheckpointException) as failure:
+        load_here(empty_like(small_state()), reader)
+    text = str(failure.value)
+    assert "500" in text and f"Fetching checkpoint file '{url}/ckpt/{data_name}' failed" in text, text
+    assert "CheckpointCorruptError" not in text, text
+
+    broken.clear()
     os.unlink(directory / "ckpt" / data_name)
     with pytest.raises(CheckpointException) as failure:
         load_here(empty_like(small_state()), reader)
     text = str(failure.value)
     assert f"NotACheckpointError: Checkpoint file '{url}/ckpt/{data_name}' is not there (not found)" in text, text
     assert "CheckpointCorruptError" not in text, text
+    assert not [p for p in directory.iterdir() if p.name.startswith("fanrun-download-")]
 
 
 def test_a_remote_file_removed_after_opening_is_not_found_naming_the_url():
