@@ -22,8 +22,8 @@ def _no_dist(call, *args, **kwargs):
         return getattr(dcp, call)(*args, no_dist=True, **kwargs)
 
 
-def save_here(state_dict, writer):
-    return _no_dist("save", state_dict, storage_writer=writer)
+def save_here(state_dict, writer, **options):
+    return _no_dist("save", state_dict, storage_writer=writer, **options)
 
 
 def load_here(state_dict, reader):

@@ -271,13 +271,25 @@ def test_latest_checkpoint_ignores_what_is_not_complete(tmp_path):
 
 
 def test_partial_save_of_a_live_process_is_not_a_leftover(tmp_path):
+    import threading
+
     from fanrun.data._checkpoint_layout import partial_dir
     from fanrun.data._checkpoint_storage import SaveLock, clean_leftovers
 
-    # An async save still writing in this process (or in another) holds its partial directory's
-    # lock: a new save in the same root must leave it alone, and clean it once the lock is free.
+    # An async save still writing in this process (its own thread) or in another holds its
+    # partial directory's lock: a new save in the same root must leave it alone, and clean it
+    # once the save is over (its thread has ended).
     partial = partial_dir(str(tmp_path / "step_9"), "inflight")
-    lock = SaveLock(partial)
+    taken, done = threading.Event(), threading.Event()
+
+    def async_save():
+        SaveLock(partial)
+        taken.set()
+        done.wait()
+
+    saving = threading.Thread(target=async_save)
+    saving.start()
+    taken.wait()
     os.mkdir(partial)
     assert clean_leftovers(str(tmp_path)) == []
     assert os.path.isdir(partial)
@@ -287,7 +299,8 @@ def test_partial_save_of_a_live_process_is_not_a_leftover(tmp_path):
     with open(abandoned + ".lock", "w"):
         pass
     assert clean_leftovers(str(tmp_path)) == [abandoned]
-    lock.release()
+    done.set()
+    saving.join()
     assert clean_leftovers(str(tmp_path)) == [partial]
     assert os.listdir(tmp_path) == []
 

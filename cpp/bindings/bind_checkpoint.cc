@@ -20,8 +20,8 @@ namespace fanrun::bindings {
 namespace {
 
 using WriteTuple = std::tuple<uintptr_t, size_t, uint64_t, std::string>;  // (address, size, offset, label)
-using ReadTuple = std::tuple<size_t, uint64_t, size_t, uintptr_t, uint32_t, std::string>;
-//                          (file, offset, size, destination address, crc32c, label)
+using ReadTuple = std::tuple<size_t, uint64_t, size_t, uintptr_t, size_t, uint32_t, std::string>;
+//                          (file, offset, size, destination address, destination size, crc32c, label)
 
 std::unique_ptr<CheckpointFileWriter> CreateWriter(const std::string& path, uint64_t size, int threads,
                                                    size_t chunk_bytes) {
@@ -51,8 +51,8 @@ void ReadItems(const std::vector<std::string>& files, const std::vector<ReadTupl
                size_t chunk_bytes) {
   std::vector<ReadItem> items;
   items.reserve(tuples.size());
-  for (const auto& [file, offset, size, address, crc, label] : tuples) {
-    items.push_back(ReadItem{file, offset, size, reinterpret_cast<void*>(address), crc, label});
+  for (const auto& [file, offset, size, address, destination_size, crc, label] : tuples) {
+    items.push_back(ReadItem{file, offset, size, reinterpret_cast<void*>(address), destination_size, crc, label});
   }
   Status st;
   {

@@ -2,6 +2,7 @@
 #include "fanrun/checkpoint_io.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -203,13 +204,19 @@ Status ReadItemsFromFiles(const std::vector<std::string>& files, const std::vect
     if (item.file >= files.size()) {
       return Status::Invalid("Item '", item.label, "' names file ", item.file, " of ", files.size());
     }
-    if (item.size > 0 && item.destination == nullptr) {
+    if (item.destination_size > 0 && item.destination == nullptr) {
       return Status::Invalid("Item '", item.label, "' has no destination");
+    }
+    if (item.size != item.destination_size) {
+      return Status::DataLoss("Checkpoint item '", item.label, "' is ", item.size,
+                              " bytes long in the checkpoint's metadata, but its destination holds ",
+                              item.destination_size, " bytes: the metadata is damaged. Load an older checkpoint");
     }
     used[item.file] = true;
     sizes.push_back(item.size);
   }
   std::vector<FileDescriptor> descriptors(files.size());
+  std::vector<uint64_t> file_sizes(files.size(), 0);
   for (size_t f = 0; f < files.size(); ++f) {
     if (!used[f]) continue;
     auto opened = OpenFile(files[f], O_RDONLY);
@@ -220,8 +227,23 @@ Status ReadItemsFromFiles(const std::vector<std::string>& files, const std::vect
       return opened.status();
     }
     descriptors[f] = std::move(opened).ValueOrDie();
+    struct stat st;
+    if (::fstat(descriptors[f].fd(), &st) != 0) {
+      return Status::IOErrorFromErrno(errno, "Failed to stat '", files[f], "'");
+    }
+    file_sizes[f] = static_cast<uint64_t>(st.st_size);
     // A hint only: a filesystem that ignores it reads just the same.
     ::posix_fadvise(descriptors[f].fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  }
+  for (const ReadItem& item : items) {
+    const uint64_t file_size = file_sizes[item.file];
+    // Written so that no sum can overflow: offset + size may not fit in 64 bits. An empty item
+    // reads nothing, wherever it says it lies.
+    if (item.size > 0 && (item.offset > file_size || item.size > file_size - item.offset)) {
+      return Status::DataLoss("Checkpoint file '", files[item.file], "' is truncated or the metadata is damaged: item '",
+                              item.label, "' is ", item.size, " bytes at offset ", item.offset,
+                              ", past the file's end at byte ", file_size, ". Load an older checkpoint");
+    }
   }
 
   std::vector<size_t> first_chunk;

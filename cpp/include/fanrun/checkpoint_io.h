@@ -65,11 +65,15 @@ class CheckpointFileWriter {
 Result<std::vector<uint32_t>> WriteItemsToFile(const std::string& path, const std::vector<WriteItem>& items,
                                                const WriteOptions& options);
 
+// An item as the checkpoint's metadata describes it (file, offset, size, CRC), and where it
+// goes. The metadata is untrusted input: its size and offset are checked against the
+// destination and the file before any byte moves.
 struct ReadItem {
   size_t file = 0;      // index into the file list
   uint64_t offset = 0;
   size_t size = 0;
-  void* destination = nullptr;  // size bytes the caller owns
+  void* destination = nullptr;
+  size_t destination_size = 0;  // bytes at destination, as the caller allocated them
   uint32_t crc32c = 0;  // expected
   std::string label;
 };
@@ -81,7 +85,9 @@ struct ReadOptions {
 
 // Reads every item into its destination with several threads and checks each CRC; a
 // mismatch is a kDataLoss error naming the file and the item, a short file a kDataLoss
-// error naming how many bytes are missing.
+// error naming how many bytes are missing. Before anything is read, every item must fill its
+// destination exactly and lie inside its file; otherwise nothing is read and the kDataLoss
+// error names the item (the metadata is damaged or does not belong to these files).
 Status ReadItemsFromFiles(const std::vector<std::string>& files, const std::vector<ReadItem>& items,
                           const ReadOptions& options);
 

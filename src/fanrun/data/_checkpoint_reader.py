@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _core
+from .._errors import CheckpointCorruptError
 from . import _checkpoint_layout as layout
 from . import _checkpoint_storage as storage
 from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, HOST_BATCH_FACTOR, _label, check_io_options
@@ -73,8 +74,9 @@ class VolumeReader(StorageReader):
         return self.path
 
     def read_metadata(self) -> Metadata:
-        target = storage.storage_for(self.path)
-        metadata = pickle.loads(target.read_bytes(target.join(self.path, self.record["metadata"])))
+        # A pickle, as DCP's own: loading a checkpoint runs what its metadata says, so only
+        # trusted checkpoints may be loaded. Its bytes are checked against the record first.
+        metadata = pickle.loads(storage.read_metadata_bytes(self.path, self.record, self.local_staging_dir))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -96,7 +98,7 @@ class VolumeReader(StorageReader):
             location = self.storage_data[request.storage_index]
             stored.setdefault(request.storage_index, (location, []))[1].append(request)
 
-        file_names = sorted({location.file for location, _ in stored.values()})
+        file_names = sorted({self._checked_file_name(location.file) for location, _ in stored.values()})
         local_dir = self._fetch(file_names) if self.remote else self.path
         try:
             paths = [os.path.join(local_dir, name) for name in file_names]
@@ -140,12 +142,15 @@ class VolumeReader(StorageReader):
                     to_device |= pin
                     buffer = torch.empty(location.shape, dtype=getattr(torch, location.dtype), pin_memory=pin)
                     after.append((location, buffer, requests))
+            # The engine reads nothing unless the item fills the buffer exactly and lies in its file.
+            buffer_size = buffer.numel() * buffer.element_size()
             reads.append(
                 (
                     file_index[location.file],
                     location.offset,
                     location.length,
-                    buffer.data_ptr() if location.length else 0,
+                    buffer.data_ptr() if buffer_size else 0,
+                    buffer_size,
                     location.crc32c,
                     _label(index),
                 )
@@ -187,13 +192,22 @@ class VolumeReader(StorageReader):
             and tuple(target.shape) == tuple(location.shape)
         )
 
+    def _checked_file_name(self, name: Any) -> str:
+        if not layout.is_plain_file_name(name):
+            raise CheckpointCorruptError(
+                f"The metadata of checkpoint '{self.path}' names a data file {name!r} that does not lie "
+                "directly inside the checkpoint; nothing was read. The metadata is damaged or was not "
+                "written by fanrun: load a checkpoint you trust"
+            )
+        return name
+
     def _fetch(self, file_names: list[str]) -> str:
         """Downloads the files this rank needs next to each other in a private local directory."""
         remote = storage.RemoteStorage(self.path)
         local_dir = tempfile.mkdtemp(prefix="fanrun-download-", dir=self.local_staging_dir)
         try:
             for name in file_names:
-                remote.fs.get_file(remote.join(self.path, name), os.path.join(local_dir, name))
+                remote.get_file(self.path, name, os.path.join(local_dir, name))
         except BaseException:
             shutil.rmtree(local_dir, ignore_errors=True)
             raise

@@ -1,16 +1,20 @@
 """Local directories and fsspec URLs behind one small interface, and the checks built on it:
-is a path a complete checkpoint, which checkpoint under a root is the newest, pruning, and
-removal of what crashed saves left behind."""
+is a path a complete checkpoint, does its metadata match its record, which checkpoint under a
+root is the newest, pruning, and removal of what crashed or failed saves left behind."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import shutil
+import tempfile
+import threading
 import uuid
 
-from .._errors import NotACheckpointError
+from .. import _core
+from .._errors import CheckpointCorruptError, NotACheckpointError
 from . import _checkpoint_layout as layout
 
 
@@ -104,18 +108,34 @@ class RemoteStorage:
             return []
         return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries]
 
-    def file_sizes(self, directory: str) -> dict[str, int]:
+    def file_sizes(self, directory: str) -> dict[str, int | None]:
+        """Sizes by name; None where the listing gives none (an HTTP server's index page)."""
         try:
             entries = self.fs.ls(directory, detail=True)
         except FileNotFoundError:
             return {}
         return {
-            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: None if e.get("size") is None else int(e["size"])
             for e in entries
             if e.get("type") == "file"
         }
 
-    def record_and_sizes(self, directory: str) -> tuple[bytes, dict[str, int]]:
+    def get_file(self, directory: str, name: str, local_path: str) -> None:
+        """Downloads one file of the checkpoint at directory. One that is not there is a
+        NotACheckpointError naming its URL; other failures keep their type, with the URL added."""
+        url = self.join(directory, name)
+        try:
+            self.fs.get_file(url, local_path)
+        except FileNotFoundError:
+            raise NotACheckpointError(
+                f"Checkpoint file '{url}' is not there (not found): '{directory}' no longer holds the "
+                "complete checkpoint that was opened. It may have been replaced or removed; open it again"
+            ) from None
+        except Exception as error:
+            error.add_note(f"Fetching checkpoint file '{url}' failed")
+            raise
+
+    def record_and_sizes(self, directory: str) -> tuple[bytes, dict[str, int | None]]:
         # Data and metadata names carry the save id, and a replaced checkpoint's files are
         # removed only after the new record is written: a record read here names files that
         # were there when it was written.
@@ -162,11 +182,81 @@ def _read_record_once(storage: LocalStorage | RemoteStorage, path: str) -> dict:
     for name, size in wanted.items():
         if name not in sizes:
             raise NotACheckpointError(f"'{path}' is incomplete: its file '{name}' is missing")
-        if size is not None and sizes[name] < size:
+        found = sizes[name]
+        if size is not None and found is not None and found < size:
             raise NotACheckpointError(
-                f"'{path}' is incomplete: its file '{name}' has {sizes[name]} bytes, {size} were written"
+                f"'{path}' is incomplete: its file '{name}' has {found} bytes, {size} were written"
             )
+    found = sizes[record["metadata"]]
+    if "metadata_size" in record and found is not None and found != record["metadata_size"]:
+        raise NotACheckpointError(
+            f"'{path}' is damaged: its metadata '{record['metadata']}' has {found} bytes, "
+            f"{record['metadata_size']} were written"
+        )
     return record
+
+
+def read_metadata_bytes(path: str, record: dict, local_staging_dir: str | None = None) -> bytes:
+    """The bytes of the metadata that record names, checked by the engine against the size and
+    CRC32C the record gives before anything unpickles them (a record of version 1 gives neither:
+    its metadata is read as it is). Remote metadata is downloaded to local_staging_dir first.
+    A mismatch is a CheckpointCorruptError naming the file."""
+    name = record["metadata"]
+    if not is_url(path):
+        return _read_checked(os.path.join(path, name), record)
+    remote = RemoteStorage(path)
+    local_dir = tempfile.mkdtemp(prefix="fanrun-download-", dir=local_staging_dir)
+    local = os.path.join(local_dir, name)
+    try:
+        remote.get_file(path, name, local)
+        return _read_checked(local, record)
+    except CheckpointCorruptError as error:
+        # Named by its URL: the downloaded copy is gone once this returns.
+        raise CheckpointCorruptError(str(error).replace(local, remote.join(path, name))) from None
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def _read_checked(local_path: str, record: dict) -> bytes:
+    if "metadata_crc32c" not in record:
+        with open(local_path, "rb") as f:
+            return f.read()
+    size = record["metadata_size"]
+    # Compared before a buffer of the recorded size is allocated: the record may be damaged too.
+    found = os.path.getsize(local_path)
+    if found != size:
+        raise CheckpointCorruptError(
+            f"Checkpoint metadata '{local_path}' has {found} bytes where its record says {size} were "
+            "written: it was damaged after it was written. Load an older checkpoint"
+        )
+    data = bytearray(size)
+    address = ctypes.addressof((ctypes.c_char * size).from_buffer(data)) if size else 0
+    _core.read_checkpoint_items(
+        [local_path], [(0, 0, size, address, size, record["metadata_crc32c"], "metadata")], 1,
+        _core.CHECKPOINT_CHUNK_BYTES,
+    )
+    return bytes(data)
+
+
+def _metadata_verifies(path: str) -> bool:
+    """Whether path holds a complete checkpoint whose metadata matches its record."""
+    for _ in range(_REPLACED_RETRIES):
+        try:
+            record = read_record(path)
+        except OSError:  # NotACheckpointError
+            return False
+        try:
+            read_metadata_bytes(path, record)
+            return True
+        except OSError:  # CheckpointCorruptError, a missing file
+            pass
+        # A checkpoint replaced meanwhile took its metadata with it: check the new one.
+        try:
+            if read_record(path)["save_id"] == record["save_id"]:
+                return False
+        except OSError:
+            return False
+    return False
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str, str]]:
@@ -189,11 +279,13 @@ def complete_checkpoints(root: str) -> list[tuple[int, str, str]]:
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
     """The newest complete checkpoint directly under root (by time of publication), or None.
 
-    Saves in progress, crashed saves and directories that are not fanrun checkpoints are
-    ignored, so the result is always safe to load."""
+    Saves in progress, crashed saves, checkpoints whose metadata does not match their record and
+    directories that are not fanrun checkpoints are ignored, so the result is always safe to load."""
     root = os.fspath(root)
-    found = complete_checkpoints(root)
-    return found[-1][2] if found else None
+    for _, _, path in reversed(complete_checkpoints(root)):
+        if _metadata_verifies(path):
+            return path
+    return None
 
 
 def prune(root: str, keep_last: int, published: str) -> None:
@@ -225,9 +317,9 @@ def _locked_if_free(lock_path: str):
 
 
 def clean_leftovers(parent: str) -> list[str]:
-    """Removes what crashed saves left in parent: partial directories whose saving process is
-    gone (its lock is free), replaced or pruned checkpoints whose removal was interrupted.
-    Returns what it removed."""
+    """Removes what crashed or failed saves left in parent: partial directories whose saving
+    process is gone (its lock is free) or whose save in this process is over, replaced or pruned
+    checkpoints whose removal was interrupted. Returns what it removed."""
     removed = []
     for name in LocalStorage().list_names(parent):
         path = os.path.join(parent, name)
@@ -235,6 +327,7 @@ def clean_leftovers(parent: str) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
         elif layout.is_leftover_name(name) and not name.endswith(layout.LOCK_SUFFIX):
+            _release_if_over(path + layout.LOCK_SUFFIX)
             with _locked_if_free(path + layout.LOCK_SUFFIX) as free:
                 if free:
                     shutil.rmtree(path, ignore_errors=True)
@@ -249,19 +342,42 @@ def clean_leftovers(parent: str) -> list[str]:
     return removed
 
 
+def _release_if_over(lock_path: str) -> None:
+    """Releases a save lock of this process whose save is over. flock cannot tell: this process
+    holds it as firmly as a save still writing would. A save that failed on another rank never
+    hears of it, and its writer keeps the lock until it is collected (an exception that is still
+    referenced holds it). But one thread runs one save at a time, so a lock taken by the thread
+    that is starting a new save, or by a thread that has ended, belongs to a save that is over."""
+    with _HELD_LOCK:
+        held = _HELD.get(lock_path)
+    if held is not None and (held.thread is threading.current_thread() or not held.thread.is_alive()):
+        held.release()
+
+
 class SaveLock:
     """Held by the coordinator while a save is in progress: its partial directory is not a
     leftover as long as this lock is held (the kernel drops it when the process dies)."""
 
     def __init__(self, partial: str) -> None:
         self.path = partial + layout.LOCK_SUFFIX
+        self.thread = threading.current_thread()
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
+        with _HELD_LOCK:
+            _HELD[self.path] = self
 
     def release(self) -> None:
-        if self._fd is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        os.close(self._fd)
-        self._fd = None
+        with _HELD_LOCK:
+            if self._fd is None:
+                return
+            if _HELD.get(self.path) is self:
+                del _HELD[self.path]
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            os.close(self._fd)
+            self._fd = None
+
+
+# The save locks this process holds, by path (see _release_if_over).
+_HELD: dict[str, SaveLock] = {}
+_HELD_LOCK = threading.Lock()

@@ -293,7 +293,8 @@ class VolumeWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Called on the coordinator with every rank's results: writes the metadata and the
-        record, then publishes the checkpoint in one step and prunes older ones."""
+        record (which gives the metadata's size and CRC32C), then publishes the checkpoint in one
+        step and prunes older ones."""
         save_id = self._planned_save_id
         locations = {}
         # Every rank wrote its file, even one with no items; the record names them all.
@@ -305,27 +306,43 @@ class VolumeWriter(StorageWriter, AsyncStager):
                 files[location.file] = max(files[location.file], location.offset + location.length)
         metadata.storage_data = locations
         metadata.storage_meta = self.storage_meta()
-        record = layout.make_record(save_id, len(results), files)
+        pickled = pickle.dumps(metadata)
         if self.remote:
-            self._publish_remote(metadata, record)
+            self._publish_remote(pickled, save_id, len(results), files)
         else:
-            self._publish_local(metadata, record, layout.partial_dir(self.path, save_id))
+            self._publish_local(pickled, save_id, len(results), files)
         if self.keep_last is not None:
             root = self.path.rsplit("/", 1)[0] if self.remote else os.path.dirname(self.path)
             storage.prune(root, self.keep_last, self.path)
 
-    def _publish_local(self, metadata: Metadata, record: dict, staging_dir: str) -> None:
-        _write_durably(os.path.join(staging_dir, record["metadata"]), pickle.dumps(metadata))
-        _write_durably(os.path.join(staging_dir, layout.RECORD_NAME), json.dumps(record, indent=1).encode())
-        previous = _core.publish_directory(staging_dir, self.path)
+    def _publish_local(self, pickled: bytes, save_id: str, world_size: int, files: dict[str, int]) -> None:
+        staging_dir = layout.partial_dir(self.path, save_id)
+        try:
+            name = layout.metadata_file_name(save_id)
+            crc = _write_durably(os.path.join(staging_dir, name), pickled)
+            record = layout.make_record(save_id, world_size, files, len(pickled), crc)
+            _write_durably(os.path.join(staging_dir, layout.RECORD_NAME), json.dumps(record, indent=1).encode())
+            previous = _core.publish_directory(staging_dir, self.path)
+        except BaseException:
+            # Every rank has written its part: nothing else uses the partial directory any more.
+            shutil.rmtree(staging_dir, ignore_errors=True)
+            self._release_lock()
+            raise
         if previous:
             shutil.rmtree(previous, ignore_errors=True)
         self._release_lock()
 
-    def _publish_remote(self, metadata: Metadata, record: dict) -> None:
+    def _publish_remote(self, pickled: bytes, save_id: str, world_size: int, files: dict[str, int]) -> None:
         remote = storage.RemoteStorage(self.path)
-        with remote.fs.open(remote.join(self.path, record["metadata"]), "wb") as f:
-            f.write(pickle.dumps(metadata))
+        name = layout.metadata_file_name(save_id)
+        # Staged and uploaded as the data files are, which gives its CRC32C on the way.
+        local_dir = tempfile.mkdtemp(prefix="fanrun-upload-", dir=self.local_staging_dir)
+        try:
+            crc = _write_durably(os.path.join(local_dir, name), pickled)
+            remote.fs.put_file(os.path.join(local_dir, name), remote.join(self.path, name))
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
+        record = layout.make_record(save_id, world_size, files, len(pickled), crc)
         # The record is the commit: one object, written last, naming only this save's files.
         with remote.fs.open(remote.join(self.path, layout.RECORD_NAME), "wb") as f:
             f.write(json.dumps(record, indent=1).encode())
@@ -382,8 +399,17 @@ def _label(index: Any) -> str:
     return index.fqn
 
 
-def _write_durably(path: str, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _write_durably(path: str, data: bytes) -> int:
+    """Writes a new file with the engine, as a data file is written: its space reserved first, so
+    that a full disk is an error naming the path before anything is written, then fsynced; no
+    file is left if it fails. Returns the CRC32C of data."""
+    raw = bytearray(data)
+    buffer = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
+    writer = _core.CheckpointFileWriter.create(path, len(raw), 1, _core.CHECKPOINT_CHUNK_BYTES)
+    try:
+        (crc,) = writer.write([(buffer.data_ptr() if buffer is not None else 0, len(raw), 0, os.path.basename(path))])
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return crc
