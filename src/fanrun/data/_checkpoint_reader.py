@@ -175,7 +175,9 @@ class VolumeReader(StorageReader):
     @staticmethod
     def _can_read_into(target: torch.Tensor, location: layout.ItemLocation, requests: list) -> bool:
         """Whether the stored bytes can be read straight into the destination tensor: one request
-        for the whole stored item, into contiguous host memory of the same dtype and shape."""
+        for the whole stored item, into contiguous host memory of the same dtype and shape, with
+        no conjugate or negative flag (the bytes of such a view's memory are not its values:
+        it gets its values by copy_, which writes them through the flag)."""
         request = requests[0]
         return (
             len(requests) == 1
@@ -183,6 +185,8 @@ class VolumeReader(StorageReader):
             and tuple(request.lengths) == tuple(location.shape)
             and target.device.type == "cpu"
             and target.is_contiguous()
+            and not target.is_conj()
+            and not target.is_neg()
             and str(target.dtype).removeprefix("torch.") == location.dtype
             and tuple(target.shape) == tuple(location.shape)
         )

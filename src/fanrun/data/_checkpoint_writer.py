@@ -368,7 +368,11 @@ def _to_host(batch: list[_Entry]) -> tuple[list[torch.Tensor], HostCopies]:
         tensor = entry.tensor
         if tensor.device.type != "cpu":
             tensor = copies.tensor(tensor)
-        elif not tensor.is_contiguous():
+        if tensor.is_conj() or tensor.is_neg():
+            # A conjugate or negative view is a flag over its base's memory, which holds the
+            # base's values: only a resolved copy holds the view's own.
+            tensor = tensor.resolve_conj().resolve_neg()
+        if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         hosts.append(tensor)
     copies.record()
