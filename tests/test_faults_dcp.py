@@ -129,3 +129,69 @@ def test_every_dtype_dcp_supports_round_trips_bit_for_bit(tmp_path, save):
     loaded = {name: torch.zeros_like(value) for name, value in state.items()}
     load_here(loaded, VolumeReader(tmp_path / "ckpt"))
     assert [name for name in names if not same_bytes(loaded[name], state[name])] == []
+
+
+# ------------------------------------------------------------ overwrite=False
+
+DCP_OVERWRITE_TEXT = "Checkpoint already exists and self.overwrite=False."
+
+
+@distributed(num_accelerators=2)
+def save_twice_without_overwrite(root: str):
+    """Saves to a path, then again with overwrite=False, through VolumeWriter and through DCP's
+    FileSystemWriter; returns each refusal as {rank: (type, is RuntimeError, message)}."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fanrun.data import CheckpointExistsError, VolumeWriter
+
+    dist.init_process_group("gloo")
+    state = {"w": torch.arange(10.0) + dist.get_rank()}
+    out = {}
+    for name, writer in (("fanrun", VolumeWriter), ("dcp", FileSystemWriter)):
+        dcp.save(state, storage_writer=writer(f"{root}/{name}"))
+        try:
+            dcp.save(state, storage_writer=writer(f"{root}/{name}", overwrite=False))
+            out[name] = None
+        except CheckpointException as error:
+            out[name] = {
+                rank: (type(exc).__name__, isinstance(exc, RuntimeError), isinstance(exc, CheckpointExistsError), str(exc))
+                for rank, (exc, _) in error.failures.items()
+            }
+    dist.destroy_process_group()
+    return out
+
+
+def test_overwrite_false_is_refused_on_every_rank_with_dcps_words(tmp_path):
+    """overwrite=False on an existing checkpoint fails on every rank, as DCP's writer does, with
+    a CheckpointExistsError that is a RuntimeError and whose message holds DCP's text."""
+    results = save_twice_without_overwrite.distributed(str(tmp_path))
+    for out in results:
+        assert sorted(out["dcp"]) == [0, 1]  # what DCP does, for comparison
+        assert all(DCP_OVERWRITE_TEXT in message for *_, message in out["dcp"].values())
+        assert sorted(out["fanrun"]) == [0, 1], out["fanrun"]
+        for name, is_runtime_error, is_exists_error, message in out["fanrun"].values():
+            assert name == "CheckpointExistsError" and is_runtime_error and is_exists_error
+            assert DCP_OVERWRITE_TEXT in message and str(tmp_path / "fanrun") in message, message
+
+
+def test_checkpoint_exists_error_is_a_runtime_error_and_a_file_exists_error(tmp_path):
+    """Code written for DCP catches the refusal as RuntimeError; fanrun's own code as
+    FileExistsError or CheckpointExistsError. The checkpoint there is left as it was."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fanrun.data import CheckpointExistsError, VolumeWriter
+
+    state = {"model": make_model(seed=1).state_dict()}
+    save_here(state, VolumeWriter(tmp_path / "ckpt"))
+    before = sorted(os.listdir(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointException) as error:
+        save_here(state, VolumeWriter(tmp_path / "ckpt", overwrite=False))
+    refusal, _ = error.value.failures[0]
+    assert isinstance(refusal, CheckpointExistsError)
+    assert isinstance(refusal, RuntimeError) and isinstance(refusal, FileExistsError)
+    assert str(refusal).startswith(DCP_OVERWRITE_TEXT)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"] and sorted(os.listdir(tmp_path / "ckpt")) == before
