@@ -195,3 +195,416 @@ def test_checkpoint_exists_error_is_a_runtime_error_and_a_file_exists_error(tmp_
     assert isinstance(refusal, RuntimeError) and isinstance(refusal, FileExistsError)
     assert str(refusal).startswith(DCP_OVERWRITE_TEXT)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"] and sorted(os.listdir(tmp_path / "ckpt")) == before
+
+
+# ------------------------------------------------------------ DCP's format, read by VolumeReader
+
+
+def mixed_state(seed: int):
+    """What a training state holds: a model, every dtype, a conj view, a pickled object, bytes
+    (a BytesIO, as DCP's Stateful examples save), nested dicts and lists."""
+    import io
+
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randn(4, 3, dtype=torch.complex64, generator=generator)
+    return {
+        "model": make_model(seed).state_dict(),
+        "dtypes": {name: every_bit_pattern(getattr(torch, name), generator) for name in DTYPE_NAMES if hasattr(torch, name)},
+        "conj": z.conj(),
+        "step": seed,
+        "note": {"text": f"seed {seed}", "losses": [0.5, 0.25]},
+        "blob": io.BytesIO(b"opaque bytes %d" % seed),
+        "listed": [torch.arange(5) * seed, torch.full((2, 2), float(seed))],
+    }
+
+
+def empty_like_state(state):
+    """A destination for mixed_state: tensors of the same shapes and dtypes, other values blank."""
+    import io
+
+    import torch
+
+    def blank(value):
+        if isinstance(value, torch.Tensor):
+            return torch.zeros_like(value.resolve_conj())
+        if isinstance(value, dict):
+            return {key: blank(v) for key, v in value.items()}
+        if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+            return [blank(v) for v in value]
+        if isinstance(value, io.BytesIO):
+            return io.BytesIO()
+        return None
+
+    return blank(state)
+
+
+def assert_same_state(loaded, expected, where=""):
+    import io
+
+    import torch
+
+    if isinstance(expected, torch.Tensor):
+        assert same_bytes(loaded, expected), where
+    elif isinstance(expected, dict):
+        assert sorted(loaded) == sorted(expected), where
+        for key in expected:
+            assert_same_state(loaded[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert len(loaded) == len(expected), where
+        for i, (a, b) in enumerate(zip(loaded, expected)):
+            assert_same_state(a, b, f"{where}[{i}]")
+    elif isinstance(expected, io.BytesIO):
+        loaded.seek(0)
+        assert loaded.read() == expected.getvalue(), where
+    else:
+        assert loaded == expected, where
+
+
+WRITER_OPTIONS = {
+    "default": {},
+    "three_files": {"thread_count": 3},
+    "a_file_per_item": {"single_file_per_rank": False},
+}
+
+
+@pytest.mark.parametrize("options", WRITER_OPTIONS)
+def test_a_checkpoint_dcps_writer_wrote_loads_through_volume_reader(tmp_path, options):
+    """A checkpoint FileSystemWriter wrote (one file, several, or one per item) loads through
+    VolumeReader with the values DCP's own FileSystemReader gives: the migration path."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from fanrun.data import VolumeReader
+
+    state = mixed_state(seed=3)
+    save_here(state, FileSystemWriter(tmp_path / "dcp", **WRITER_OPTIONS[options]))
+    by_dcp = empty_like_state(state)
+    load_here(by_dcp, FileSystemReader(tmp_path / "dcp"))
+    assert_same_state(by_dcp, state)
+    by_fanrun = empty_like_state(state)
+    load_here(by_fanrun, VolumeReader(tmp_path / "dcp"))
+    assert_same_state(by_fanrun, state)
+
+
+def test_a_dcp_checkpoint_is_found_by_checkpoint_id_and_read_partially(tmp_path):
+    """dcp.load(checkpoint_id=...) with a VolumeReader given for another path reads the DCP
+    checkpoint named; a state dict asking for some keys only gets them."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from fanrun.data import VolumeReader, VolumeWriter
+
+    state = mixed_state(seed=4)
+    save_here(state, FileSystemWriter(tmp_path / "dcp"))
+    save_here({"other": torch.zeros(1)}, VolumeWriter(tmp_path / "fanrun"))
+    assert VolumeReader.validate_checkpoint_id(tmp_path / "dcp")
+    partial = {"model": empty_like_state(state)["model"]}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(
+            partial,
+            checkpoint_id=tmp_path / "dcp",
+            storage_reader=VolumeReader(tmp_path / "fanrun"),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
+    assert_same_state(partial["model"], state["model"])
+
+
+def test_a_compressed_dcp_checkpoint_is_decompressed_as_dcp_does(tmp_path):
+    """FileSystemWriter's ZStandard extension records a transform per item; VolumeReader undoes
+    it with DCP's extension registry."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from fanrun.data import VolumeReader
+
+    state = mixed_state(seed=5)
+    save_here(state, FileSystemWriter(tmp_path / "dcp", _extensions=[ZStandard()]))
+    loaded = empty_like_state(state)
+    load_here(loaded, VolumeReader(tmp_path / "dcp"))
+    assert_same_state(loaded, state)
+
+
+def test_a_dcp_checkpoint_at_an_fsspec_url_loads(tmp_path):
+    """What DCP's FsspecWriter wrote under a URL is read by ranges through fsspec."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from fanrun.data import VolumeReader
+
+    state = mixed_state(seed=6)
+    url = f"file://{tmp_path}/dcp"
+    save_here(state, FsspecWriter(url))
+    loaded = empty_like_state(state)
+    load_here(loaded, VolumeReader(url))
+    assert_same_state(loaded, state)
+
+
+def rewrite_dcp_metadata(path, change):
+    import pickle
+
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    change(metadata)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_dcp_file_names_stay_inside_the_checkpoint(tmp_path):
+    """A .metadata whose storage_data names a file outside the checkpoint, or a data file that
+    is a symlink, is refused before a byte of it is read."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fanrun.data import VolumeReader
+
+    secret = tmp_path / "outside_secret.bin"
+    secret.write_bytes(b"not for the checkpoint" * 100)
+    save_here({"w": torch.arange(8.0)}, FileSystemWriter(tmp_path / "escape"))
+
+    def point_outside(metadata):
+        for index, info in metadata.storage_data.items():
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path="../outside_secret.bin")
+
+    rewrite_dcp_metadata(tmp_path / "escape", point_outside)
+    with pytest.raises(CheckpointException, match="not a file inside the checkpoint"):
+        load_here({"w": torch.zeros(8)}, VolumeReader(tmp_path / "escape"))
+
+    save_here({"w": torch.arange(8.0)}, FileSystemWriter(tmp_path / "linked"))
+    (data,) = (tmp_path / "linked").glob("*.distcp")
+    data.unlink()
+    data.symlink_to(secret)
+    with pytest.raises(CheckpointException, match="Too many levels of symbolic links"):
+        load_here({"w": torch.zeros(8)}, VolumeReader(tmp_path / "linked"))
+
+
+def test_a_short_dcp_data_file_names_the_file_and_the_item(tmp_path):
+    """A .distcp file cut short fails the load with CheckpointCorruptError naming the file and
+    the item, not with whatever torch.load makes of the bytes left."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fanrun.data import CheckpointCorruptError, VolumeReader
+
+    save_here({"w": torch.arange(1000.0)}, FileSystemWriter(tmp_path / "dcp"))
+    (data,) = (tmp_path / "dcp").glob("*.distcp")
+    os.truncate(data, data.stat().st_size - 100)
+    with pytest.raises(CheckpointException) as error:
+        load_here({"w": torch.zeros(1000)}, VolumeReader(tmp_path / "dcp"))
+    failure, _ = error.value.failures[0]
+    assert isinstance(failure, CheckpointCorruptError)
+    assert str(data) in str(failure) and "item 'w'" in str(failure)
+
+
+def test_latest_checkpoint_passes_over_dcp_checkpoints_and_never_removes_them(tmp_path):
+    """latest_checkpoint returns fanrun checkpoints only (a DCP directory has no record of being
+    complete), and keep_last never removes a directory fanrun did not write."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fanrun.data import VolumeWriter, latest_checkpoint
+
+    save_here({"w": torch.zeros(3)}, FileSystemWriter(tmp_path / "step_1"))
+    assert latest_checkpoint(tmp_path) is None
+    save_here({"w": torch.ones(3)}, VolumeWriter(tmp_path / "step_2", keep_last=1))
+    save_here({"w": torch.ones(3)}, VolumeWriter(tmp_path / "step_3", keep_last=1))
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "step_3")
+    assert sorted(os.listdir(tmp_path)) == ["step_1", "step_3"]
+
+
+# ------------------------------------------------------------ DCP's format on two ranks, resharded
+
+
+def sharded_values():
+    """The whole tensors the two ranks shard: odd sizes, so that rows and columns split unevenly."""
+    import torch
+
+    generator = torch.Generator().manual_seed(19)
+    return {
+        "w": torch.randn(9, 7, generator=generator),
+        "h": torch.randn(5, 11, dtype=torch.float64, generator=generator).to(torch.bfloat16),
+        "replicated": torch.arange(12, dtype=torch.int32),
+    }
+
+
+@distributed(num_accelerators=2)
+def save_sharded_and_load_resharded(root: str):
+    """Saves DTensors sharded by rows on 2 ranks, with DCP's FileSystemWriter and with
+    VolumeWriter; loads DCP's checkpoint through VolumeReader sharded by columns, by rows and
+    replicated. Returns the whole tensors each load gave this rank."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fanrun.data import VolumeReader, VolumeWriter
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    values = sharded_values()
+
+    def state(placement, fill=None):
+        return {
+            "w": distribute_tensor(values["w"] if fill is None else torch.full_like(values["w"], fill), mesh, [placement]),
+            "h": distribute_tensor(values["h"] if fill is None else torch.full_like(values["h"], fill), mesh, [placement]),
+            "replicated": values["replicated"] if fill is None else torch.zeros_like(values["replicated"]),
+            "step": 7 if fill is None else 0,
+            "blob": io.BytesIO(b"rank-independent bytes" if fill is None else b""),
+        }
+
+    dcp.save(state(Shard(0)), storage_writer=FileSystemWriter(f"{root}/dcp"))
+    dcp.save(state(Shard(0)), storage_writer=VolumeWriter(f"{root}/fanrun"))
+    out = {}
+    for name, placement in (("columns", Shard(1)), ("rows", Shard(0)), ("replicated", Replicate())):
+        loaded = state(placement, fill=-1)
+        dcp.load(loaded, storage_reader=VolumeReader(f"{root}/dcp"))
+        loaded["blob"].seek(0)
+        out[name] = {
+            "w": loaded["w"].full_tensor(),
+            "h": loaded["h"].full_tensor(),
+            "replicated": loaded["replicated"],
+            "step": loaded["step"],
+            "blob": loaded["blob"].read(),
+        }
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two-ranks")
+    return root, save_sharded_and_load_resharded.distributed(str(root))
+
+
+def test_a_checkpoint_dcp_wrote_on_two_ranks_loads_resharded(two_rank_checkpoints):
+    """Saved by FileSystemWriter on 2 ranks, sharded by rows: VolumeReader loads it on 2 ranks
+    sharded by columns, by rows and replicated, and in one process whole (2 ranks to 1)."""
+    import io
+
+    import torch
+
+    from fanrun.data import VolumeReader
+
+    root, results = two_rank_checkpoints
+    values = sharded_values()
+    assert sorted(p.name for p in (root / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for out in results:
+        for name, loaded in out.items():
+            for key in ("w", "h", "replicated"):
+                assert same_bytes(loaded[key], values[key]), (name, key)
+            assert loaded["step"] == 7 and loaded["blob"] == b"rank-independent bytes", name
+    whole = {key: torch.zeros_like(value) for key, value in values.items()}
+    whole.update(step=0, blob=io.BytesIO())
+    load_here(whole, VolumeReader(root / "dcp"))
+    for key in ("w", "h", "replicated"):
+        assert same_bytes(whole[key], values[key]), key
+    assert whole["step"] == 7 and whole["blob"].getvalue() == b"rank-independent bytes"
+
+
+# ------------------------------------------------------------ export_dcp: fanrun's checkpoints in DCP's format
+
+
+def dcp_to_torch_save_here(src, dst):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_to_torch_save(src, dst)
+
+
+def dcp_load_by_id(state, checkpoint_id):
+    """dcp.load with nothing but a checkpoint_id: DCP picks its own FileSystemReader."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=checkpoint_id, no_dist=True)
+
+
+def test_an_exported_checkpoint_is_read_by_dcps_own_tools(tmp_path):
+    """export_dcp writes what FileSystemWriter writes (.metadata and __0_0.distcp, no process
+    group needed): dcp_to_torch_save and dcp.load(checkpoint_id=...) give back the saved state."""
+    import torch
+
+    from fanrun.data import VolumeWriter, export_dcp
+
+    state = mixed_state(seed=8)
+    save_here(state, VolumeWriter(tmp_path / "fanrun"))
+    assert export_dcp(tmp_path / "fanrun", tmp_path / "dcp") == str(tmp_path / "dcp")
+    assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == [".metadata", "__0_0.distcp"]
+
+    dcp_to_torch_save_here(tmp_path / "dcp", tmp_path / "whole.pt")
+    assert_same_state(torch.load(tmp_path / "whole.pt", weights_only=False), state)
+    loaded = empty_like_state(state)
+    dcp_load_by_id(loaded, tmp_path / "dcp")
+    assert_same_state(loaded, state)
+    # The source is untouched and still loads through VolumeReader; nothing else was left.
+    assert sorted(os.listdir(tmp_path)) == ["dcp", "fanrun", "whole.pt"]
+
+
+def test_an_exported_two_rank_checkpoint_keeps_its_shards(two_rank_checkpoints, tmp_path):
+    """A checkpoint VolumeWriter saved on 2 ranks becomes one DCP file per rank, and DCP's
+    reader assembles the shards in one process."""
+    import io
+
+    import torch
+
+    from fanrun.data import export_dcp
+
+    root, _ = two_rank_checkpoints
+    export_dcp(root / "fanrun", tmp_path / "dcp")
+    assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    values = sharded_values()
+    whole = {key: torch.zeros_like(value) for key, value in values.items()}
+    whole.update(step=0, blob=io.BytesIO())
+    dcp_load_by_id(whole, tmp_path / "dcp")
+    for key in ("w", "h", "replicated"):
+        assert same_bytes(whole[key], values[key]), key
+    assert whole["step"] == 7 and whole["blob"].getvalue() == b"rank-independent bytes"
+    dcp_to_torch_save_here(tmp_path / "dcp", tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert all(same_bytes(saved[key], values[key]) for key in ("w", "h", "replicated"))
+
+
+def test_export_never_replaces_a_destination_and_leaves_nothing_when_it_fails(tmp_path):
+    """A destination that holds anything is refused before any work; an empty directory is
+    used. A damaged source fails the export with CheckpointCorruptError, and neither the
+    destination nor a partial directory is left."""
+    import json
+    import pickle
+
+    import torch
+
+    from fanrun.data import CheckpointCorruptError, CheckpointExistsError, VolumeWriter, export_dcp
+    from fanrun.data._checkpoint_layout import RECORD_NAME
+
+    save_here({"w": torch.arange(4096.0)}, VolumeWriter(tmp_path / "fanrun"))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointExistsError, match="not an empty directory"):
+        export_dcp(tmp_path / "fanrun", tmp_path / "taken")
+    assert os.listdir(tmp_path / "taken") == ["notes.txt"]
+    (tmp_path / "empty").mkdir()
+    export_dcp(tmp_path / "fanrun", tmp_path / "empty")
+    assert sorted(os.listdir(tmp_path / "empty")) == [".metadata", "__0_0.distcp"]
+
+    record = json.loads((tmp_path / "fanrun" / RECORD_NAME).read_text())
+    metadata = pickle.loads((tmp_path / "fanrun" / record["metadata"]).read_bytes())
+    (location,) = metadata.storage_data.values()
+    with open(tmp_path / "fanrun" / location.file, "r+b") as f:
+        f.seek(location.offset + 100)
+        byte = f.read(1)
+        f.seek(location.offset + 100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointCorruptError, match="item 'w'"):
+        export_dcp(tmp_path / "fanrun", tmp_path / "damaged")
+    assert sorted(os.listdir(tmp_path)) == ["empty", "fanrun", "taken"]
