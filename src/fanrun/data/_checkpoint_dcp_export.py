@@ -46,7 +46,8 @@ def export_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, thread_count: 
     reader.set_up_storage_reader(metadata, True)
     save_id = reader.record["save_id"]
     # The record names one data file per rank that saved; DCP's names number the same ranks.
-    names = {layout.data_file_name(rank, save_id): dcp_format.data_file_name(rank) for rank in range(len(reader.record["files"]))}
+    ranks = range(len(reader.record["files"]))
+    names = {layout.data_file_name(rank, save_id): dcp_format.data_file_name(rank) for rank in ranks}
 
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
@@ -58,7 +59,7 @@ def export_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, thread_count: 
         os.mkdir(staging)
         with _DcpFiles(staging, names.values()) as files:
             items = _ItemsToFiles(files, reader.storage_data, names)
-            reader.read_data(_whole_items(reader.storage_data), items).wait()  # type: ignore[arg-type]
+            reader.read_data(_whole_items(reader.storage_data), items).wait()
             storage_data = files.finish()
         exported = dataclasses.replace(
             metadata,
@@ -112,7 +113,7 @@ class _DcpFiles:
         self._written: dict[Any, _StorageInfo] = {}
         try:
             for name in names:
-                self._files[name] = open(os.path.join(directory, name), "xb")  # noqa: SIM115 - closed in __exit__
+                self._files[name] = open(os.path.join(directory, name), "xb")
         except BaseException:
             self.__exit__()
             raise

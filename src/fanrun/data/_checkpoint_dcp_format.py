@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import stat
 from typing import Any
 
 import torch
@@ -34,9 +35,9 @@ METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 
 
-def data_file_name(rank: int, index: int = 0) -> str:
-    """The name FileSystemWriter gives a rank's index-th file."""
-    return f"__{rank}_{index}{DATA_SUFFIX}"
+def data_file_name(rank: int) -> str:
+    """The name FileSystemWriter gives a rank's first (with one thread, only) file."""
+    return f"__{rank}_0{DATA_SUFFIX}"
 
 
 def is_dcp_checkpoint(path: str) -> bool:
@@ -81,10 +82,10 @@ class DcpCheckpointReader:
             with self._open(name) as source:
                 for index in sorted(indexes, key=lambda i: storage_data[i].offset):
                     info = storage_data[index]
-                    raw = source.read(info.offset, info.length, index.fqn)
+                    item = source.item(info.offset, info.length, index.fqn)
                     where = f"item '{index.fqn}' of '{source.path}'"
-                    data = _undo_transforms(raw, info.transform_descriptors or (), where)
-                    _hand_over(data, stored[index], planner)
+                    item = _undo_transforms(item, info.transform_descriptors or (), where)
+                    _hand_over(item, stored[index], planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -109,29 +110,27 @@ def _check_location(path: str, index: Any, info: Any) -> None:
 
 
 class _LocalFile:
-    """A data file opened relative to the checkpoint's directory, never through a symlink."""
+    """A data file opened relative to the checkpoint's directory, never through a symlink, and
+    only if it is a regular file (O_NONBLOCK: opening a FIFO planted there must not hang)."""
 
     def __init__(self, directory: str, name: str) -> None:
         self.path = os.path.join(directory, name)
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            self._fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            self._fd = os.open(name, flags, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
-        self._size = os.fstat(self._fd).st_size
+        status = os.fstat(self._fd)
+        if not stat.S_ISREG(status.st_mode):
+            os.close(self._fd)
+            raise CheckpointCorruptError(f"'{self.path}' is not a regular file")
+        self._size = status.st_size
 
-    def read(self, offset: int, length: int, fqn: str) -> bytes:
+    def item(self, offset: int, length: int, fqn: str) -> _ItemView:
         if offset + length > self._size:
             raise _short(self.path, fqn, offset, length, self._size)
-        parts = []
-        done = 0
-        while done < length:
-            part = os.pread(self._fd, length - done, offset + done)
-            if not part:  # the file shrank since it was opened
-                raise _short(self.path, fqn, offset, length, offset + done)
-            parts.append(part)
-            done += len(part)
-        return b"".join(parts)
+        return _ItemView(self._fd, offset, length, self.path, fqn)
 
     def __enter__(self) -> _LocalFile:
         return self
@@ -147,17 +146,55 @@ class _RemoteFile:
         self._remote = storage.RemoteStorage(directory)
         self.path = self._remote.join(directory, name)
 
-    def read(self, offset: int, length: int, fqn: str) -> bytes:
+    def item(self, offset: int, length: int, fqn: str) -> io.BytesIO:
         data = self._remote.fs.cat_file(self.path, start=offset, end=offset + length) if length else b""
         if len(data) != length:
             raise _short(self.path, fqn, offset, length, offset + len(data))
-        return data
+        return io.BytesIO(data)
 
     def __enter__(self) -> _RemoteFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+
+class _ItemView(io.RawIOBase):
+    """One item's bytes in a file, as a seekable stream that torch.load reads straight from
+    the file (readinto), without a copy of the whole item first."""
+
+    def __init__(self, fd: int, offset: int, length: int, path: str, fqn: str) -> None:
+        super().__init__()
+        self._fd, self._start, self._length = fd, offset, length
+        self._position = 0
+        self._path, self._fqn = path, fqn
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, base + position)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = min(len(view), self._length - self._position)
+        done = 0
+        while done < wanted:
+            count = os.preadv(self._fd, [view[done:wanted]], self._start + self._position + done)
+            if count == 0:  # the file shrank since it was opened
+                end = self._start + self._position + done
+                raise _short(self._path, self._fqn, self._start, self._length, end)
+            done += count
+        self._position += done
+        return done
 
 
 def _short(path: str, fqn: str, offset: int, length: int, end: int) -> CheckpointCorruptError:
@@ -167,33 +204,34 @@ def _short(path: str, fqn: str, offset: int, length: int, end: int) -> Checkpoin
     )
 
 
-def _undo_transforms(raw: bytes, descriptors: Any, where: str) -> bytes:
-    """The item's bytes with its stream transforms (compression) undone, as DCP's reader does
-    with its default extension registry."""
+def _undo_transforms(item: Any, descriptors: Any, where: str) -> Any:
+    """The item's stream with its stream transforms (compression) undone, as DCP's reader does
+    with its default extension registry; seekable, as torch.load needs."""
     if not descriptors:
-        return raw
+        return item
     from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
     try:
         extensions = ExtensionRegistry().from_descriptor_list(list(descriptors))
     except ValueError as error:
         raise ValueError(f"Cannot read {where}: it was saved with {list(descriptors)} ({error})") from None
-    stream: Any = io.BytesIO(raw)
+    stream = item
     for extension in extensions:
         if isinstance(extension, StreamTransformExtension):
             stream = extension.transform_from(stream)
-    return stream.read()
+    return io.BytesIO(stream.read())
 
 
-def _hand_over(data: bytes, requests: list, planner: LoadPlanner) -> None:
+def _hand_over(item: Any, requests: list, planner: LoadPlanner) -> None:
     """Gives one stored item to the requests that need it: bytes to the planner, a tensor's
     parts copied into their destinations (copy_ casts the dtype and writes through a
     destination's conjugate or negative flag, as with DCP's reader)."""
     if requests[0].type == LoadItemType.BYTE_IO:
+        data = item.read()
         for request in requests:
             planner.load_bytes(request, io.BytesIO(data))
         return
-    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    tensor = torch.load(item, map_location="cpu", weights_only=True)
     for request in requests:
         source = tensor
         for dim, (offset, length) in enumerate(zip(request.storage_offsets, request.lengths, strict=True)):
