@@ -618,3 +618,18 @@ def test_export_never_replaces_a_destination_and_leaves_nothing_when_it_fails(tm
     with pytest.raises(CheckpointCorruptError, match="item 'w'"):
         export_dcp(tmp_path / "fanrun", tmp_path / "damaged")
     assert sorted(os.listdir(tmp_path)) == ["empty", "fanrun", "taken"]
+
+
+def test_a_checkpoint_at_an_fsspec_url_exports_to_a_local_directory(tmp_path):
+    """export_dcp reads its source wherever VolumeReader does (here memory://) and writes DCP's
+    format to a local directory; a URL as the destination is refused."""
+    from fanrun.data import VolumeWriter, export_dcp
+
+    state = mixed_state(seed=9)
+    save_here(state, VolumeWriter("memory://fanrun-export-test/step_1"))
+    export_dcp("memory://fanrun-export-test/step_1", tmp_path / "dcp")
+    loaded = empty_like_state(state)
+    dcp_load_by_id(loaded, tmp_path / "dcp")
+    assert_same_state(loaded, state)
+    with pytest.raises(ValueError, match="local or mounted directory"):
+        export_dcp(tmp_path / "dcp", "memory://fanrun-export-test/out")
