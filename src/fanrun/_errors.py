@@ -115,8 +115,9 @@ class NotACheckpointError(FileNotFoundError, FanrunError):
     """The path holds no complete fanrun checkpoint."""
 
 
-class CheckpointExistsError(FileExistsError, FanrunError):
-    """The target exists and may not be replaced: overwrite=False, or it is not a checkpoint."""
+class CheckpointExistsError(FileExistsError, RuntimeError, FanrunError):
+    """The target exists and may not be replaced: overwrite=False, or it is not a checkpoint.
+    A RuntimeError too, as DCP's own writers raise for overwrite=False."""
 
 
 # Datasets (fanrun.data.VolumeDataset).

@@ -4,6 +4,7 @@ file dataset with a node-wide cache, and checkpoint storage for torch.distribute
 from .._errors import CheckpointCorruptError as CheckpointCorruptError
 from .._errors import CheckpointExistsError as CheckpointExistsError
 from .._errors import NotACheckpointError as NotACheckpointError
+from ._checkpoint_dcp_export import export_dcp as export_dcp
 from ._checkpoint_reader import VolumeReader as VolumeReader
 from ._checkpoint_storage import latest_checkpoint as latest_checkpoint
 from ._checkpoint_writer import VolumeWriter as VolumeWriter

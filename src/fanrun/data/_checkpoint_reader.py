@@ -1,5 +1,6 @@
 """VolumeReader: a torch.distributed.checkpoint StorageReader that loads fanrun checkpoints
-with the C++ engine, several threads per rank, every item checked against its CRC32C."""
+with the C++ engine, several threads per rank, every item checked against its CRC32C; and
+checkpoints that DCP's own FileSystemWriter wrote, in their format."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _core
-from .._errors import CheckpointCorruptError
+from .._errors import CheckpointCorruptError, NotACheckpointError
+from . import _checkpoint_dcp_format as dcp_format
 from . import _checkpoint_layout as layout
 from . import _checkpoint_storage as storage
 from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, HOST_BATCH_FACTOR, _label, check_io_options
@@ -26,9 +28,10 @@ from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, HOST_BATCH_FACTOR,
 
 class VolumeReader(StorageReader):
     """Loads a checkpoint written by VolumeWriter from ``path`` (a local or mounted directory, or
-    an fsspec URL, whose files are downloaded to ``local_staging_dir`` first).
+    an fsspec URL, whose files are downloaded to ``local_staging_dir`` first). A checkpoint
+    that DCP's own FileSystemWriter or FsspecWriter wrote there is read in DCP's format.
 
-    The path is checked at once: one that holds no complete fanrun checkpoint raises
+    The path is checked at once: one that holds no complete checkpoint raises
     NotACheckpointError here, before any rank starts loading."""
 
     def __init__(
@@ -51,7 +54,14 @@ class VolumeReader(StorageReader):
         path = os.fspath(path)
         self.remote = storage.is_url(path)
         self.path = storage.target_path(path)
-        self.record = storage.read_record(self.path)
+        self.dcp: dcp_format.DcpCheckpointReader | None = None
+        try:
+            self.record = storage.read_record(self.path)
+        except NotACheckpointError:
+            if not dcp_format.is_dcp_checkpoint(self.path):
+                raise
+            self.record = None
+            self.dcp = dcp_format.DcpCheckpointReader(self.path)
         self.load_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -66,7 +76,7 @@ class VolumeReader(StorageReader):
         try:
             storage.read_record(os.fspath(checkpoint_id))
         except Exception:
-            return False
+            return dcp_format.is_dcp_checkpoint(storage.target_path(os.fspath(checkpoint_id)))
         return True
 
     @property
@@ -74,6 +84,8 @@ class VolumeReader(StorageReader):
         return self.path
 
     def read_metadata(self) -> Metadata:
+        if self.dcp is not None:
+            return self.dcp.read_metadata(self.load_id)
         # A pickle, as DCP's own: loading a checkpoint runs what its metadata says, so only
         # trusted checkpoints may be loaded. Its bytes are checked against the record first.
         metadata = pickle.loads(storage.read_metadata_bytes(self.path, self.record, self.local_staging_dir))
@@ -92,6 +104,8 @@ class VolumeReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.dcp is not None:
+            return self.dcp.read_data(plan, planner, self.storage_data)
         # Each stored item is read once, even when several requests (resharding) need parts of it.
         stored: dict[Any, tuple[layout.ItemLocation, list]] = {}
         for request in plan.items:
@@ -180,7 +194,9 @@ class VolumeReader(StorageReader):
     @staticmethod
     def _can_read_into(target: torch.Tensor, location: layout.ItemLocation, requests: list) -> bool:
         """Whether the stored bytes can be read straight into the destination tensor: one request
-        for the whole stored item, into contiguous host memory of the same dtype and shape."""
+        for the whole stored item, into contiguous host memory of the same dtype and shape, with
+        no conjugate or negative flag (the bytes of such a view's memory are not its values:
+        it gets its values by copy_, which writes them through the flag)."""
         request = requests[0]
         return (
             len(requests) == 1
@@ -188,6 +204,8 @@ class VolumeReader(StorageReader):
             and tuple(request.lengths) == tuple(location.shape)
             and target.device.type == "cpu"
             and target.is_contiguous()
+            and not target.is_conj()
+            and not target.is_neg()
             and str(target.dtype).removeprefix("torch.") == location.dtype
             and tuple(target.shape) == tuple(location.shape)
         )

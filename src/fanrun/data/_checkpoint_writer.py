@@ -33,6 +33,8 @@ DEFAULT_THREADS = 8
 # thread waiting for the last chunk, so fewer is faster).
 BATCH_BYTES = 256 << 20
 HOST_BATCH_FACTOR = 16
+# What DCP's FileSystemWriter says when overwrite=False finds a checkpoint.
+DCP_OVERWRITE_REFUSED = "Checkpoint already exists and self.overwrite=False."
 
 
 def check_io_options(thread_count: int, chunk_bytes: int) -> None:
@@ -129,6 +131,9 @@ class VolumeWriter(StorageWriter, AsyncStager):
     # ------------------------------------------------------------ planning
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """On every rank, before any rank writes: a target that may not be replaced fails the
+        save on every rank, as it does with DCP's own writers, so that each rank's error says why."""
+        self._check_target()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -170,8 +175,10 @@ class VolumeWriter(StorageWriter, AsyncStager):
                 "checkpoint, so it is not replaced. Choose another path or remove it"
             ) from None
         if not self.overwrite:
+            # DCP's writers raise RuntimeError with these words, and code matches them.
             raise CheckpointExistsError(
-                f"A checkpoint exists at '{self.path}' and overwrite=False; pass overwrite=True to replace it"
+                f"{DCP_OVERWRITE_REFUSED} A complete checkpoint is at '{self.path}'; pass "
+                "overwrite=True to replace it, or choose another path"
             )
 
     def _take_lock(self, staging_dir: str) -> None:
@@ -385,7 +392,11 @@ def _to_host(batch: list[_Entry]) -> tuple[list[torch.Tensor], HostCopies]:
         tensor = entry.tensor
         if tensor.device.type != "cpu":
             tensor = copies.tensor(tensor)
-        elif not tensor.is_contiguous():
+        if tensor.is_conj() or tensor.is_neg():
+            # A conjugate or negative view is a flag over its base's memory, which holds the
+            # base's values: only a resolved copy holds the view's own.
+            tensor = tensor.resolve_conj().resolve_neg()
+        if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         hosts.append(tensor)
     copies.record()
