@@ -26,12 +26,17 @@ LOOPBACK = "127.0.0.1"
 
 
 def main(backend_store_uri: str | None, port: int | None) -> int:
-    if backend_store_uri is None:
-        store = _tracking_store.default_store()
-        store.create()
-        uri, artifacts = store.uri, store.artifacts
-    else:
-        uri, artifacts = backend_store_uri, None
+    try:
+        if backend_store_uri is None:
+            store = _tracking_store.default_store()
+            store.create()
+            uri, artifacts = store.uri, store.artifacts
+        else:
+            uri, artifacts = backend_store_uri, None
+        log_path = _tracking_store.private_folder("ui") / _tracking_store.ui_record_path(uri).with_suffix(".log").name
+    except _tracking_store.UnsafeDirectoryError as error:
+        print(f"fanrun: {error}", file=sys.stderr)
+        return 1
     port = port if port is not None else _free_port(DEFAULT_PORT)
     url = f"http://{LOOPBACK}:{port}"
     command = [sys.executable, "-m", "mlflow", "server", "--host", LOOPBACK, "--port", str(port),
@@ -40,7 +45,6 @@ def main(backend_store_uri: str | None, port: int | None) -> int:
         # Experiments made in the UI keep their artifacts beside the store too, where the calls
         # (clients of the sqlite file, not of this server) can write them.
         command += ["--no-serve-artifacts", "--default-artifact-root", artifacts.as_uri()]
-    log_path = _tracking_store.private_folder("ui") / _tracking_store.ui_record_path(uri).with_suffix(".log").name
     record = None
     with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as log:
         # GenAI job runner off unless asked for: it starts more processes and leaves queues in /dev/shm.
