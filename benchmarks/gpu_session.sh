@@ -56,8 +56,8 @@ for part in $parts; do
         pytest_step "notebook_$test" 200 tests/test_notebooks.py -k "$test and kernel"
       done ;;
     throughput) step throughput 300 python3 benchmarks/throughput.py --steps 100 --repeat 3 --kinds ${KINDS:-ddp fsdp} ;;
-    # The launcher alone: MLflow tracking, on by default, is measured in benchmarks/tracking.py.
-    launch) FANRUN_TRACKING=0 step launch 300 python3 benchmarks/launch.py --ranks ${RANKS:-1 2} --repeat ${REPEAT:-3} ${LAUNCH_ARGS:-} ;;
+    # The launcher alone (fanrun) and with MLflow tracking, its default (tracked), side by side.
+    launch) step launch 420 python3 benchmarks/launch.py --ranks ${RANKS:-1 2} --repeat ${REPEAT:-3} ${LAUNCH_ARGS:-} ;;
     tracking) step tracking ${TRACKING_LIMIT:-300} python3 benchmarks/tracking.py ${TRACKING_ARGS:-} ;;
     checkpoint-tests) pytest_step checkpoint_tests 300 tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_checkpoint_fsdp.py ;;
     # The state dict on the GPUs, written to the machine's local disk.

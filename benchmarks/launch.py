@@ -1,4 +1,5 @@
-"""Benchmark: launch wall time and failure latency of fanrun, mp.spawn, torchrun and notebook_launcher."""
+"""Benchmark: launch wall time and failure latency of fanrun, mp.spawn, torchrun and notebook_launcher;
+and what MLflow tracking, fanrun's default, adds to them."""
 
 from __future__ import annotations
 
@@ -26,12 +27,17 @@ from pathlib import Path
 # Only the standard library above: mp.spawn's children re-import this file, and
 # anything heavy here would be charged to mp.spawn.
 
-LAUNCHERS = ("fanrun", "mp.spawn", "torchrun", "notebook_launcher")
-PEERS = LAUNCHERS[1:]
+# "fanrun" is the launcher alone (tracking=False), which the peers are compared with; "tracked"
+# is fanrun as users get it by default, every call an MLflow run (where mlflow is installed).
+FANRUN = ("fanrun", "tracked")
+PEERS = ("mp.spawn", "torchrun", "notebook_launcher")
+LAUNCHERS = (*FANRUN, *PEERS)
 # The launchers fanrun must not be slower than; notebook_launcher is shown for reference.
 GOAL_PEERS = ("mp.spawn", "torchrun")
 NOISE = 0.05  # a ratio up to 1 + NOISE still counts as "no slower"
 FAILURE_GOAL_S = 0.5
+# What tracking may add to a call: 5 % or this much, whichever is larger.
+TRACKING_GOAL_S = 0.2
 # Long enough that only the launcher stopping them ends the ranks that did not fail.
 SLEEP_S = 30.0
 # A call still running after this long is hung: its processes are killed and it counts as an
@@ -114,10 +120,10 @@ class Hung(Exception):
     """The call did not end by itself within CALL_TIMEOUT_S."""
 
 
-def run_fanrun(n: int, fn: Callable[[str], object], directory: str) -> list:
+def run_fanrun(n: int, fn: Callable[[str], object], directory: str, *, tracking: bool = True) -> list:
     from fanrun import distributed
 
-    return distributed(num_accelerators=n)(fn).distributed(directory)
+    return distributed(num_accelerators=n, tracking=tracking)(fn).distributed(directory)
 
 
 def run_spawn(n: int, fn: Callable[[str], object], directory: str) -> None:
@@ -199,7 +205,7 @@ def measure_failure(launch: Callable, n: int, directory: str) -> tuple[float, se
     except Exception as error:
         caught = time.time()
         # fanrun promises the rank's own exception; the peers wrap it in theirs.
-        if launch is run_fanrun and not (type(error) is RuntimeError and INJECTED in str(error)):
+        if getattr(launch, "func", launch) is run_fanrun and not (type(error) is RuntimeError and INJECTED in str(error)):
             got = f"{type(error).__name__}: {error}"
             raise RuntimeError(f"expected the rank's RuntimeError, got {got}") from error
     else:
@@ -279,10 +285,12 @@ class Session:
         self.marker = f"{MARKER_VAR}={token}".encode()
         # Set before any launcher starts, so that every process they start inherits it.
         os.environ[MARKER_VAR] = token
-        # fanrun tracks each call in MLflow where mlflow is installed, by default in
-        # ./mlflow.db: a store in the temporary directory keeps that cost in the figures
-        # and the runs out of the current directory.
-        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{workdir / 'mlflow.db'}"
+        # fanrun tracks each call in MLflow where mlflow is installed, by default in its own store
+        # under $XDG_DATA_HOME: the same default, in the temporary directory, keeps that cost in
+        # the figures and the runs out of the user's store. Tracking is on or off per launcher.
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "FANRUN_TRACKING"):
+            os.environ.pop(name, None)
+        os.environ["XDG_DATA_HOME"] = str(workdir / "data")
         # mp.spawn starts multiprocessing's resource tracker, which lives as long as this
         # process by design; starting it now keeps it out of the leftovers.
         from multiprocessing import resource_tracker
@@ -292,12 +300,13 @@ class Session:
         worker = workdir / "torchrun_worker.py"
         worker.write_text(TORCHRUN_WORKER.format(path=str(Path(__file__).resolve())))
         self.launchers = {
-            "fanrun": run_fanrun,
+            "fanrun": functools.partial(run_fanrun, tracking=False),
+            "tracked": run_fanrun,
             "mp.spawn": run_spawn,
             "torchrun": functools.partial(run_torchrun, worker=worker),
             "notebook_launcher": run_notebook_launcher,
         }
-        self.launchers = {name: run for name, run in self.launchers.items() if name == "fanrun" or name in peers}
+        self.launchers = {name: run for name, run in self.launchers.items() if name in FANRUN or name in peers}
 
     def attempt(self, label: str, measure: Callable[[str], object]) -> object:
         """Runs one measurement in a fresh directory; returns its value or the exception."""
@@ -492,7 +501,7 @@ def gpu_names() -> str:
 def table(title: str, cells: dict[tuple[int, str], Cell], ranks: list[int]) -> str:
     # Only the launch measurement joins a process group, so only it has a backend to show.
     with_backend = any(cell.backends for cell in cells.values())
-    header = ["N", *LAUNCHERS, *(f"fanrun/{peer}" for peer in PEERS), *(["backend"] if with_backend else [])]
+    header = ["N", *LAUNCHERS, *(f"fanrun/{peer}" for peer in PEERS), "tracked/fanrun", *(["backend"] if with_backend else [])]
     rows, footnotes = [], []
     for n in ranks:
         row = [str(n)]
@@ -505,6 +514,8 @@ def table(title: str, cells: dict[tuple[int, str], Cell], ranks: list[int]) -> s
             else:
                 row.append(f"{cell.median:.3f} ({min(cell.samples):.3f})")
         row += [format_ratio(ratio(cells, n, peer)) for peer in PEERS]
+        cost = tracking_cost(cells, n)
+        row.append("-" if cost is None else f"{(cost[0] + cost[1]) / cost[1]:.2f}x" if cost[1] else "-")
         if with_backend:
             row.append(",".join(sorted(set().union(*(cells[n, name].backends for name in LAUNCHERS)))) or "-")
         rows.append(row)
@@ -535,7 +546,17 @@ def goals(launch: dict, failure: dict, ranks: list[int], failure_ranks: list[int
     latencies = {n: failure[n, "fanrun"].median for n in failure_ranks}
     goal = f"failure latency (median) under {FAILURE_GOAL_S} s"
     lines.append(verdict(goal, latencies, lambda s: s < FAILURE_GOAL_S, lambda s: f"{s:.3f} s"))
+    for what, cells, numbers in (("launch wall time", launch, ranks), ("failure latency", failure, failure_ranks)):
+        costs = {n: tracking_cost(cells, n) for n in numbers}
+        goal = f"{what} with tracking (the default) within {NOISE:.0%} or {TRACKING_GOAL_S} s of without, for every N"
+        lines.append(verdict(goal, costs, lambda c: c[0] <= max(NOISE * c[1], TRACKING_GOAL_S), lambda c: f"{c[0]:+.3f} s"))
     return "\n".join(lines)
+
+
+def tracking_cost(cells: dict[tuple[int, str], Cell], n: int) -> tuple[float, float] | None:
+    """(seconds tracking added, seconds without it) at N, from the medians."""
+    tracked, untracked = cells[n, "tracked"].median, cells[n, "fanrun"].median
+    return None if tracked is None or untracked is None else (tracked - untracked, untracked)
 
 
 def verdict(goal: str, values: dict[int, float | None], ok: Callable, show: Callable) -> str:

@@ -12,14 +12,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from processes import processes_of_runs_under  # noqa: E402
+from processes import processes_of_runs_under, tracking_agents_of  # noqa: E402
 
 _RUNS = tempfile.mkdtemp(prefix="fanrun-test-runs-")
 # Set before any test runs, so that callers started as subprocesses inherit it too.
 os.environ["FANRUN_RUNS_DIR"] = _RUNS
-# Every call would otherwise be an MLflow run in ./mlflow.db, with a line of its own in the
-# output; test_tracking.py turns tracking back on for its tests.
+# Every call would otherwise be an MLflow run, with a line of its own in the output;
+# test_tracking.py turns tracking back on for its tests.
 os.environ["FANRUN_TRACKING"] = "0"
+# fanrun's default MLflow store lives under $XDG_DATA_HOME: the tests' own, never the user's.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="fanrun-test-data-")
 
 import fanrun._launcher  # noqa: E402
 
@@ -37,5 +39,5 @@ def runs_dir() -> Path:
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
     yield
-    left = processes_of_runs_under(_RUNS)
+    left = processes_of_runs_under(_RUNS) + tracking_agents_of(os.getpid())
     assert not left, f"processes of fanrun runs are still alive after the test: {left}"

@@ -9,7 +9,11 @@ import time
 
 def processes_of_runs_under(runs_dir: str) -> list[tuple[int, str]]:
     """Live (non-zombie) processes whose environment places them in a run under runs_dir."""
-    marker = f"FANRUN_RUN_DIR={runs_dir}".encode()
+    return processes_with_environment(f"FANRUN_RUN_DIR={runs_dir}".encode())
+
+
+def processes_with_environment(marker: bytes) -> list[tuple[int, str]]:
+    """Live (non-zombie) processes whose environment holds `marker` (inherited by all they start)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -24,6 +28,27 @@ def processes_of_runs_under(runs_dir: str) -> list[tuple[int, str]]:
                 found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")[:200]))
         except OSError:
             continue
+    return found
+
+
+def tracking_agents_of(parent: int) -> list[tuple[int, str]]:
+    """Live MLflow agents (_tracking_agent.py) that `parent` started: each must end with its call."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] == "Z" or int(fields[1]) != parent:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if "fanrun._tracking_agent" in command:
+            found.append((pid, command[:200]))
     return found
 
 

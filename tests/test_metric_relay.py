@@ -3,9 +3,11 @@ MetricRelay in the caller, which writes them to the store in batches."""
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -17,7 +19,14 @@ from fanrun import _metric_relay
 from fanrun._metric_relay import MetricRelay
 
 SENDER = Path(_metric_relay.__file__).with_name("_rank_metric_sender.py")
-MetricSender = runpy.run_path(str(SENDER))["MetricSender"]
+_MetricSender = runpy.run_path(str(SENDER))["MetricSender"]
+
+
+def MetricSender(path: str, interval_s: float):  # noqa: N802 (stands for the class)
+    """A rank's sender, on a socket connected to the relay as a rank's first `import mlflow` connects it."""
+    channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    channel.connect(path)
+    return _MetricSender(channel, interval_s)
 
 
 def record(key: str, value: float, step: int) -> tuple:
@@ -151,4 +160,31 @@ def test_a_temporary_folder_too_deep_for_a_socket_is_refused_and_left_clean(tmp_
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     with pytest.raises(OSError, match="longer than 107 bytes"):
         MetricRelay(lambda batch: None)
-    assert list(deep.iterdir()) == []  # the caller's tracking then lets each rank write to the store
+    assert list(deep.iterdir()) == []  # the caller's tracking is then off for the call, with a warning
+
+
+def test_every_rank_gets_the_answer_once_whether_it_connects_before_or_after_it_is_known(relay_and_store):
+    """The socket exists before the run does: a rank that connects early waits for the answer,
+    one that connects later gets it at once, and each gets it exactly once, first."""
+    relay, store = relay_and_store
+    early = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    early.connect(relay.path)
+    early.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        early.recv(1 << 16)  # nothing yet: the run is still being made
+    relay.publish({"run_id": "abc", "env": {"MLFLOW_RUN_ID": "abc"}})
+    relay.publish({"run_id": "ignored"})  # the first answer stands
+    late = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    late.connect(relay.path)
+    for channel in (early, late):
+        channel.settimeout(10)
+        assert json.loads(channel.recv(1 << 16)) == {"run_id": "abc", "env": {"MLFLOW_RUN_ID": "abc"}}
+        channel.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            channel.recv(1 << 16)
+    # Then the same socket carries the rank's values.
+    sender = _MetricSender(late, 0.0)
+    sender.add([record("loss", 1.0, 0)])
+    assert relay.stop(5.0)
+    assert store.values() == [record("loss", 1.0, 0)]
+    early.close()

@@ -51,7 +51,7 @@ def test_ddp_quickstart_in_a_kernel(tmp_path, monkeypatch):
         assert f"rank {rank} on cpu: loss" in live or f"rank {rank} on cuda:{rank}: loss" in live
     assert "2 ranks trained; the loss went down on every one." in stream_text(check_cell)
     # The call's MLflow run, announced in the cell (as text: the store is a local sqlite file).
-    assert "fanrun: MLflow run run_train-" in live and "mlflow ui --backend-store-uri sqlite:///" in live
+    assert "fanrun: MLflow run run_train-" in live and "fanrun ui --backend-store-uri sqlite:///" in live
 
 
 def test_fsdp_in_a_kernel(tmp_path, monkeypatch):

@@ -53,3 +53,40 @@ def test_use_gpu_without_a_gpu_is_a_clear_error(runs_dir):
     with pytest.raises(AcceleratorMismatchError, match="use_gpu=True, but this machine has no GPU"):
         TorchDistributor(num_processes=2, use_gpu=True).run(train, 1)
     assert set(runs_dir.iterdir()) == before
+
+
+def spark_style_train():
+    """What train functions written for Spark's TorchDistributor do: rank 0 starts its own run."""
+    import os
+
+    import mlflow
+
+    if os.environ["RANK"] != "0":
+        return None
+    with mlflow.start_run(run_name="mine") as run:
+        mlflow.log_metric("loss", 0.5)
+    return run.info.run_id
+
+
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")
+def test_it_makes_no_mlflow_run_and_leaves_the_ranks_mlflow_as_configured(tmp_path, monkeypatch, capsys):
+    """As Spark's TorchDistributor: no MLflow run of its own, whether tracking is on or not (no
+    store is made, no line printed), and the train function's own mlflow calls go where the
+    user's MLflow configuration says, as they would under Spark."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("FANRUN_TRACKING", raising=False)  # tracking on, as users have it
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)  # MLflow's local defaults are relative to the working directory
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+    assert TorchDistributor(num_processes=2, use_gpu=False).run(train, 1)["world"] == 2
+    assert not (tmp_path / "store.db").exists() and not (tmp_path / "data").exists()
+    run_id = TorchDistributor(num_processes=2, use_gpu=False).run(spark_style_train)
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [(r.info.run_id, r.info.run_name) for r in runs] == [(run_id, "mine")]
+    assert runs[0].data.metrics == {"loss": 0.5}
+    assert "MLflow run" not in capsys.readouterr().out

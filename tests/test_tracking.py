@@ -3,19 +3,27 @@ sqlite store and a real `mlflow server`, read back through MlflowClient."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import json
 import os
+import re
 import signal
+import stat
+import statistics
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 from gpus import needs_gpus
 from mlflow_server import MlflowServer
+from processes import processes_with_environment, wait_gone
 from server_process import free_port
 
 import fanrun
@@ -132,7 +140,7 @@ def train(steps: int):
 def untracked():
     import os
 
-    return os.environ.get("FANRUN_MLFLOW_RUN_ID"), os.environ.get("MLFLOW_RUN_ID")
+    return os.environ.get("FANRUN_MLFLOW"), os.environ.get("MLFLOW_RUN_ID")
 
 
 # ---------------------------------------------------------------- one run, every rank
@@ -173,7 +181,7 @@ def test_every_rank_logs_to_the_call_run_in_a_sqlite_store(sqlite_store, sqlite_
     experiment = client.get_experiment(experiment_id).name
     assert (
         f"fanrun: MLflow run {run.info.run_name} ({run.info.run_id}) in experiment {experiment}: "
-        f"open it with `mlflow ui --backend-store-uri {sqlite_uri}`\n"
+        f"run `fanrun ui --backend-store-uri {sqlite_uri}` to open it\n"
     ) in out
 
 
@@ -244,20 +252,131 @@ def test_every_way_of_logging_reaches_its_run(sqlite_store):
         assert bad_name_error is not None and "bad name!*" in bad_name_error
 
 
-def test_without_configuration_the_local_default_store_is_used(tmp_path, capsys):
-    @distributed(num_accelerators=2)
-    def log_one():
-        import mlflow
+# ---------------------------------------------------------------- where runs go without configuration
 
-        mlflow.log_metric("one", 1.0)
 
-    log_one.distributed()
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert (tmp_path / "mlflow.db").exists()
-    runs = MlflowClient(uri).search_runs(["0"])
-    assert [r.info.status for r in runs] == ["FINISHED"]
-    assert runs[0].data.metrics["one"] == 1.0
-    assert "mlflow ui --backend-store-uri sqlite:" in capsys.readouterr().out
+def caller_env(tmp_path, **extra: str) -> dict[str, str]:
+    """A user's environment: MLflow not configured, tracking on, fanrun's data under tmp_path/data."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k not in ("FANRUN_TRACKING", "XDG_DATA_HOME")}
+    env["XDG_DATA_HOME"] = str(tmp_path / "data")
+    env.update(extra)
+    return env
+
+
+def run_caller(code: str, tmp_path, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A script that calls .distributed(), run as a user runs one, from tmp_path/work."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, cwd=work,
+                          env=env if env is not None else caller_env(tmp_path), timeout=timeout)
+
+
+CALLER_LOGS_ONE = """
+from fanrun import distributed
+
+@distributed(num_accelerators=2)
+def log_one():
+    import mlflow
+    mlflow.log_metric("one", 1.0)
+    return mlflow.active_run().info.run_id
+
+run_ids = log_one.distributed()
+import mlflow  # the caller's own mlflow calls, after the call, find the same runs
+print("runs", run_ids[0], [r.info.run_id for r in mlflow.MlflowClient().search_runs(["0"])], flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["XDG_DATA_HOME", "HOME"])
+def test_without_configuration_runs_go_to_fanruns_private_store(tmp_path, where):
+    """With no tracking URI set, runs go to $XDG_DATA_HOME/fanrun/mlflow (else ~/.local/share/...):
+    a sqlite store with its artifacts beside it, in folders only the user can open; nothing is
+    written to the working directory, and the caller's own mlflow calls find the same runs."""
+    env = caller_env(tmp_path)
+    if where == "HOME":
+        del env["XDG_DATA_HOME"]
+        env["HOME"] = str(tmp_path / "home")
+        data = tmp_path / "home" / ".local" / "share"
+    else:
+        data = tmp_path / "data"
+    done = run_caller(CALLER_LOGS_ONE, tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    store = data / "fanrun" / "mlflow"
+    for folder in (store.parent, store):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    assert list((tmp_path / "work").iterdir()) == []  # no ./mlflow.db, no ./mlruns
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    (run,) = client.search_runs(["0"])
+    assert f"runs {run.info.run_id} ['{run.info.run_id}']" in done.stdout
+    assert run.info.status == "FINISHED" and run.data.metrics["one"] == 1.0
+    logs = store / "artifacts" / "0" / run.info.run_id / "artifacts" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank_0.txt", "rank_1.txt"]
+    assert f"fanrun: MLflow run {run.info.run_name} ({run.info.run_id}) in experiment Default: run `fanrun ui` to open it\n" in done.stdout
+
+    # Where the caller already uses MLflow's own default store (a run of it is active), MLflow's
+    # rules stand: the call's run goes there too, nested under it.
+    inside = run_caller(CALLER_INSIDE_ITS_OWN_RUN, tmp_path, env=env)
+    assert inside.returncode == 0, inside.stderr
+    parent_id, child_id = inside.stdout.split("ids ")[1].split()
+    own_default = MlflowClient(f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}")
+    assert own_default.get_run(child_id).data.tags["mlflow.parentRunId"] == parent_id
+    assert len(client.search_runs(["0"])) == 1
+
+
+CALLER_INSIDE_ITS_OWN_RUN = """
+import mlflow
+from fanrun import distributed
+
+@distributed(num_accelerators=2)
+def child():
+    import mlflow
+    return mlflow.active_run().info.run_id
+
+with mlflow.start_run() as parent:  # in MLflow's own default store, ./mlflow.db
+    print("ids", parent.info.run_id, child.distributed()[0], flush=True)
+"""
+
+
+CALLER_PLAIN = """
+from fanrun import distributed
+
+@distributed(num_accelerators=2)
+def rank():
+    import os
+    return int(os.environ["RANK"])
+
+print("results", rank.distributed(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("whose", ["another user's", "writable by others"])
+def test_a_default_store_folder_that_is_not_the_users_alone_is_not_used(tmp_path, whose):
+    """fanrun keeps runs only in a folder that is the user's and nobody else can write: one that
+    another user planted, or that others can write, turns tracking off for the call with a
+    warning that says why; the call still runs, and nothing is written there or in the cwd."""
+    store = tmp_path / "data" / "fanrun" / "mlflow"
+    store.mkdir(parents=True)
+    os.chmod(store.parent, 0o700)
+    if whose == "another user's":
+        os.chown(store, 65534, 65534)
+        os.chmod(store, 0o700)
+    else:
+        os.chmod(store, 0o777)
+    done = run_caller(CALLER_PLAIN, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "results [0, 1]" in done.stdout
+    assert "TrackingWarning: fanrun: MLflow tracking is off for this call of 'rank'" in done.stderr
+    assert ("belongs to uid 65534" if whose == "another user's" else "(mode 0777)") in done.stderr
+    assert list(store.iterdir()) == [] and list((tmp_path / "work").iterdir()) == []
+
+
+def test_a_tracked_call_shows_none_of_mlflows_own_noise(tmp_path):
+    """MLflow's INFO lines ("Creating initial MLflow database tables...") and tqdm's warnings come
+    from what fanrun makes MLflow do, not from the user's code: none reaches the user."""
+    done = run_caller(CALLER_LOGS_ONE, tmp_path)  # a new store: MLflow creates its tables
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    for noise in ("INFO mlflow", "Tqdm", "IProgress", "Creating initial"):
+        assert noise not in output, output
 
 
 def test_experiment_name_argument_chooses_the_experiment(sqlite_store, sqlite_uri):
@@ -273,6 +392,160 @@ def test_experiment_name_argument_chooses_the_experiment(sqlite_store, sqlite_ur
     assert experiment is not None
     assert [r.info.status for r in client.search_runs([experiment.experiment_id])] == ["FINISHED"]
     assert client.search_runs([other_experiment]) == []
+
+
+CALLER_TIMED = """
+import sys, time
+from fanrun import distributed
+
+@distributed(num_accelerators=2, tracking=sys.argv[1] == "on")
+def works(seconds):
+    import time
+    time.sleep(seconds)  # what a GPU rank mostly does: wait on its device, not on the CPU
+    return 1
+
+started = time.perf_counter()
+works.distributed(float(sys.argv[2]))
+print("call", time.perf_counter() - started, flush=True)
+"""
+# Generous for a machine shared with other work; the goal is 5 % or 0.2 s.
+COST_BOUND_S = 1.2
+
+
+@pytest.mark.slow
+def test_a_tracked_call_costs_what_an_untracked_one_does(tmp_path):
+    """Importing MLflow and making the run happen while the ranks start and run, not before them:
+    a call's wall time, from a fresh script (MLflow not yet imported) to the ranks' results, is
+    within COST_BOUND_S of the same call untracked. Interleaved, medians of 3."""
+
+    def call_seconds(mode: str) -> float:
+        done = run_caller(CALLER_TIMED, tmp_path, mode, "5")
+        assert done.returncode == 0, done.stderr
+        return float(done.stdout.split("call ")[1])
+
+    call_seconds("on")  # the store's creation, once: not what each call costs
+    times = {"on": [], "off": []}
+    for _ in range(3):
+        for mode in times:
+            times[mode].append(call_seconds(mode))
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    assert on <= off * 1.05 + COST_BOUND_S, times
+
+
+# ---------------------------------------------------------------- fanrun ui: the run one click away
+
+RUN_LINE = re.compile(r"fanrun: MLflow run (\S+) \((\w+)\) in experiment (.+?): (.+)")
+
+
+class Ui:
+    """`fanrun ui` as a user starts it in a terminal: its own process group, which Ctrl+C signals."""
+
+    def __init__(self, tmp_path) -> None:
+        self.port = free_port()
+        self.marker = f"FANRUN_UI_TEST={uuid.uuid4().hex}"
+        env = caller_env(tmp_path, FANRUN_UI_TEST=self.marker.split("=")[1])
+        fanrun_command = Path(sys.executable).with_name("fanrun")
+        self.process = subprocess.Popen([str(fanrun_command), "ui", "--port", str(self.port)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        self.first_line = self.process.stdout.readline()  # its address once it answers (or "" if it failed)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def interrupt(self) -> int:
+        os.killpg(self.process.pid, signal.SIGINT)  # Ctrl+C: the terminal signals the foreground group
+        code = self.process.wait(60)
+        self.stderr = self.process.stderr.read()
+        return code
+
+    def left(self) -> list:
+        return processes_with_environment(self.marker.encode())
+
+    def kill(self) -> None:
+        for pid, _ in self.left():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(60)
+        wait_gone([pid for pid, _ in self.left()], 30)
+        self.process.stdout.close()
+        self.process.stderr.close()
+
+
+@pytest.fixture
+def ui(tmp_path):
+    started = Ui(tmp_path)
+    yield started
+    started.kill()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on `port`, from /proc/net/tcp and tcp6."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, _, hex_port = local.rpartition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+@pytest.mark.slow
+def test_fanrun_ui_serves_the_store_on_loopback_and_each_call_links_to_its_run(tmp_path, ui):
+    """`fanrun ui` serves MLflow's UI for fanrun's store on 127.0.0.1 until Ctrl+C; while it is
+    up, a call's line links to its run there; Ctrl+C stops it and every process it started, and
+    calls say again how to open their run."""
+    store_uri = f"sqlite:///{tmp_path / 'data' / 'fanrun' / 'mlflow' / 'mlflow.db'}"
+    assert ui.first_line.startswith(f"fanrun: MLflow UI for {store_uri} at {ui.url} (Ctrl+C stops it"), (
+        ui.first_line + ui.process.stderr.read() if ui.process.poll() is not None else ui.first_line)
+    with urllib.request.urlopen(ui.url + "/health", timeout=10) as answer:
+        assert answer.status == 200
+    assert listening_addresses(ui.port) == {"0100007F"}  # 127.0.0.1, and nothing else
+
+    done = run_caller(CALLER_PLAIN, tmp_path)
+    assert done.returncode == 0, done.stderr
+    name, run_id, experiment, where = RUN_LINE.search(done.stdout).groups()
+    assert where == f"{ui.url}/#/experiments/0/runs/{run_id}"
+    with urllib.request.urlopen(f"{ui.url}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=30) as answer:
+        assert json.load(answer)["run"]["info"]["status"] == "FINISHED"
+
+    assert ui.interrupt() == 0
+    assert "MLflow UI stopped" in ui.stderr
+    assert wait_gone([pid for pid, _ in ui.left()], 30) == []
+    assert ui.left() == []
+    after = run_caller(CALLER_PLAIN, tmp_path)
+    assert RUN_LINE.search(after.stdout).group(4) == "run `fanrun ui` to open it"
+
+
+NOTEBOOK_LOGGING_CELL = """
+from fanrun import distributed
+
+@distributed(num_accelerators=2)
+def logs():
+    import mlflow
+    mlflow.log_metric("loss", 0.5)
+    return mlflow.active_run().info.run_id
+
+print("returned", logs.distributed())
+"""
+
+
+@pytest.mark.slow
+def test_in_jupyter_a_tracked_cell_shows_a_link_to_fanrun_ui_and_no_mlflow_noise(tmp_path, ui, monkeypatch):
+    """The first tracked cell of a kernel (MLflow not yet imported, a new store) shows the run as a
+    link to the running `fanrun ui`, and neither MLflow's INFO lines nor tqdm's IProgress warning."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    assert ui.first_line.startswith("fanrun: MLflow UI for"), ui.first_line
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK_LOGGING_CELL)])
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = notebook.cells[0].outputs
+    html = [o.data["text/html"] for o in outputs if o.output_type == "display_data" and "text/html" in o.data]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    run_id = re.search(r"returned \['(\w+)', '\1'\]", text).group(1)
+    assert len(html) == 1 and f'href="{ui.url}/#/experiments/0/runs/{run_id}"' in html[0]
+    for noise in ("INFO mlflow", "Tqdm", "IProgress", "Creating initial"):
+        assert noise not in text, text
 
 
 # ---------------------------------------------------------------- nesting and resuming
@@ -428,9 +701,42 @@ def test_status_matches_how_the_launcher_ended(error, status):
 
 def test_tracking_false_creates_no_run_and_tells_the_ranks_nothing(sqlite_store, capsys):
     client, experiment_id = sqlite_store
-    assert untracked.distributed() == [(None, None), (None, None)]
+    assert untracked.distributed() == [("off", None), ("off", None)]
     assert client.search_runs([experiment_id]) == []
     assert "MLflow" not in capsys.readouterr().out
+
+
+CALLER_UNTRACKED_BUT_LOGGING = """
+from fanrun import distributed
+
+@distributed(num_accelerators=2, tracking=False)
+def logs_anyway():
+    import mlflow
+    mlflow.log_metric("loss", 1.0)  # MLflow would start a run of its own here, one per rank
+    mlflow.log_params({"lr": 0.1})
+    mlflow.set_tag("stage", "test")
+    mlflow.log_text("notes", "notes.txt")
+    with mlflow.start_run(nested=True):
+        mlflow.log_metric("inner", 2.0)
+    return mlflow.active_run() is not None
+
+print("results", logs_anyway.distributed(), logs_anyway.distributed(), flush=True)
+"""
+
+
+def test_tracking_false_sends_what_the_ranks_log_nowhere_with_one_notice(tmp_path):
+    """With tracking off, a function that logs with mlflow runs as it would tracked, but nothing it
+    logs makes a run, in the configured store or anywhere: no store is even created. The caller
+    says so once per process."""
+    store = tmp_path / "store.db"
+    done = run_caller(CALLER_UNTRACKED_BUT_LOGGING, tmp_path, env=caller_env(tmp_path, MLFLOW_TRACKING_URI=f"sqlite:///{store}"))
+    assert done.returncode == 0, done.stderr
+    assert "results [True, True] [True, True]" in done.stdout
+    assert not store.exists()
+    assert list((tmp_path / "work").iterdir()) == [] and not (tmp_path / "data").exists()
+    notices = [line for line in done.stderr.splitlines() if "not tracked" in line]
+    assert notices == ["fanrun: this call is not tracked (tracking=False or FANRUN_TRACKING=0), so what its ranks logged "
+                       "with mlflow went nowhere; no MLflow run was made. Leave tracking on to keep it."], done.stderr
 
 
 def test_fanrun_tracking_0_turns_the_default_off(sqlite_store, monkeypatch):
@@ -441,9 +747,9 @@ def test_fanrun_tracking_0_turns_the_default_off(sqlite_store, monkeypatch):
     def tracked_by_default():
         import os
 
-        return os.environ.get("FANRUN_MLFLOW_RUN_ID")
+        return os.environ.get("FANRUN_MLFLOW")
 
-    assert tracked_by_default.distributed() == [None, None]
+    assert tracked_by_default.distributed() == ["off", "off"]
     assert client.search_runs([experiment_id]) == []
 
 
@@ -486,6 +792,61 @@ def test_server_answering_errors_warns_once_and_the_call_still_returns(monkeypat
     finally:
         failing.shutdown()
         failing.server_close()
+
+
+class _SlowToFail(http.server.BaseHTTPRequestHandler):
+    """A tracking server that is up (its /health answers) but takes HANG_S to fail each request."""
+
+    HANG_S = 5.0
+    answered: list[float] = []
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        if self.path == "/health":
+            self.send_response(200)
+            self.end_headers()
+            return
+        time.sleep(self.HANG_S)
+        _SlowToFail.answered.append(time.time())
+        self.send_error(503, "overloaded")
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@distributed(num_accelerators=2)
+def stamps():
+    import time
+
+    started = time.time()
+    import mlflow
+
+    imported = time.time()
+    mlflow.log_metric("dropped", 1.0)  # the call is not tracked: nowhere, without an error
+    return started, imported, mlflow.get_tracking_uri()
+
+
+def test_ranks_start_while_the_run_is_made_and_wait_for_it_only_to_import_mlflow(monkeypatch):
+    """The ranks do not wait for the run to be made: they start at once, and only a rank's
+    `import mlflow` waits for it, here until the store has failed, which the ranks learn then."""
+    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowToFail)
+    thread = threading.Thread(target=slow.serve_forever, daemon=True)
+    thread.start()
+    _SlowToFail.answered.clear()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{slow.server_address[1]}")
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        with pytest.warns(TrackingWarning, match=r"MLflow tracking is off for this call of 'stamps'") as caught:
+            results = stamps.distributed()
+        assert len(caught) == 1
+    finally:
+        slow.shutdown()
+        slow.server_close()
+    failed_at = min(_SlowToFail.answered)
+    for started, imported, uri in results:
+        assert started < failed_at < imported
+        assert uri.startswith("fanrun-nowhere:")
 
 
 CALLER_WITHOUT_MLFLOW = textwrap.dedent(
@@ -677,10 +1038,17 @@ def test_link_for_a_server_is_its_ui_address():
     )
 
 
-def test_link_for_a_local_store_says_how_to_open_it():
+def test_link_for_a_local_store_says_how_to_open_it(monkeypatch, tmp_path):
     run = run_at("sqlite:////tmp/x/mlflow.db")
-    assert link_text(run).endswith(": open it with `mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db`")
+    assert link_text(run).endswith(": run `fanrun ui --backend-store-uri sqlite:////tmp/x/mlflow.db` to open it")
     assert link_html(run) is None  # no UI address: Jupyter shows the text line
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert link_text(run_at(f"sqlite:///{tmp_path}/fanrun/mlflow/mlflow.db")).endswith(": run `fanrun ui` to open it")
+    # With a `fanrun ui` server up for the store, the run is one click away.
+    served = run_at("sqlite:////tmp/x/mlflow.db")
+    served.ui_url = "http://127.0.0.1:5123"
+    assert link_text(served).endswith(": http://127.0.0.1:5123/#/experiments/7/runs/0123abcd")
+    assert 'href="http://127.0.0.1:5123/#/experiments/7/runs/0123abcd"' in link_html(served)
 
 
 def test_link_elsewhere_names_the_tracking_uri_without_its_password():

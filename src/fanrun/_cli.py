@@ -1,4 +1,5 @@
-"""`fanrun run`: the same engine for scripts, modules and native programs, like torchrun."""
+"""`fanrun run`: the same engine for scripts, modules and native programs, like torchrun; `fanrun ui`:
+MLflow's UI for the runs of tracked calls."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("target", metavar="TARGET", help="script.py, a module name with -m, or a program with --no-python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
     _cli_torchrun.add_flags(run)
+    ui = commands.add_parser(
+        "ui",
+        help="open the MLflow runs of tracked calls in MLflow's UI, on 127.0.0.1",
+        description="Serves MLflow's UI for fanrun's own store (or --backend-store-uri) on 127.0.0.1 until Ctrl+C; "
+        "meanwhile each tracked call's line links to its run there.",
+    )
+    ui.add_argument("--backend-store-uri", default=None, metavar="URI",
+                    help="a local MLflow store to show instead of fanrun's own (see docs/tracking.md)")
+    ui.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: 5000 if free)")
     return parser
 
 
@@ -44,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     # A scheduler's SIGTERM stops the ranks the same way as Ctrl+C does.
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    if options.command == "ui":
+        from . import _ui
+
+        return _ui.main(options.backend_store_uri, options.port)
     try:
         _cli_torchrun.check_flags(options)
         count, cpu = (None, False) if options.num_accelerators is None else _cli_torchrun.nproc_per_node(options.num_accelerators)

@@ -25,6 +25,9 @@ class Options:
     experiment_name: str | None = None
     run_id: str | None = None
     tracking: bool = True
+    # Neither a run nor MLflow variables: the ranks' MLflow is the caller's, as configured (what
+    # Spark's TorchDistributor does, which fanrun.TorchDistributor follows).
+    leave_mlflow_alone: bool = False
 
 
 class DistributedFunction(Generic[R]):

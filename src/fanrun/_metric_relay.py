@@ -1,8 +1,13 @@
-"""MetricRelay: the caller's end of the ranks' metric sockets. It receives the values every rank
-logs on the call's MLflow run and writes them to the tracking store in batches, from one thread
-of the caller, so that the ranks' loops never wait on the store.
+"""MetricRelay: the tracking side's end of the ranks' MLflow sockets, served from one thread of the
+agent (_tracking_agent.py). It tells each rank that connects which run the call logs to, and
+receives the values every rank logs on that run and writes them to the tracking store in
+batches, so that the ranks' loops never wait on the store.
 
-A rank sends one message per logging call (_rank_tracking.py): a pickled list of
+The socket exists before any rank starts (the caller makes it, RelaySocket); the run may not
+yet. A rank connects when its function imports mlflow, and its first message is the answer,
+sent as soon as publish() gives it: the run's identity, or "not tracked".
+
+A rank then sends one message per logging call (_rank_tracking.py): a pickled list of
 (key, value, timestamp, step, model_id, dataset_name, dataset_digest). Messages are read as
 they come, so that no rank waits on a full socket, and written at most once per
 WRITE_INTERVAL_S: MLflow's stores pay per request as much as per value (a local sqlite store
@@ -12,6 +17,7 @@ machine whose cores the ranks fill, that time is taken from them.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import selectors
@@ -30,27 +36,42 @@ WRITE_INTERVAL_S = 1.0
 MAX_MESSAGE = 1 << 20
 # An AF_UNIX path holds at most 107 bytes on Linux.
 _MAX_SOCKET_PATH = 107
+# What wakes the relay's thread: an answer to give the ranks, or the end of the call.
+_PUBLISH, _STOP = b"p", b"x"
 
 Record = tuple  # (key, value, timestamp, step, model_id, dataset_name, dataset_digest)
 
 
-class MetricRelay:
-    """Listens on a socket in a private temporary folder until stop(); `path` goes to the ranks."""
+class RelaySocket:
+    """The ranks' socket, listening in a private temporary folder (mode 0700: only our user
+    connects). Made by the caller before any rank starts; served by whoever holds `listener`."""
 
-    def __init__(self, write: Callable[[list[Record]], None]) -> None:
-        self._write = write
-        self._folder = tempfile.mkdtemp(prefix="fanrun-metrics-")  # mode 0700: only our user connects
-        self.path = os.path.join(self._folder, "socket")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="fanrun-mlflow-")
+        self.path = os.path.join(self.folder, "socket")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             if len(self.path.encode()) > _MAX_SOCKET_PATH:
                 raise OSError(f"the socket path {self.path} is longer than {_MAX_SOCKET_PATH} bytes (TMPDIR is too deep)")
-            self._listener.bind(self.path)
-            self._listener.listen(64)
+            self.listener.bind(self.path)
+            self.listener.listen(64)
         except OSError:
-            self._listener.close()
-            shutil.rmtree(self._folder, ignore_errors=True)
+            self.close()
             raise
+
+    def close(self) -> None:
+        self.listener.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class MetricRelay:
+    """Serves `listener` (a RelaySocket's own if none is given) until stop(); `path` goes to the ranks."""
+
+    def __init__(self, write: Callable[[list[Record]], None], listener: socket.socket | None = None) -> None:
+        self._write = write
+        self._own = RelaySocket() if listener is None else None
+        self._listener = self._own.listener if self._own is not None else listener
+        self.path = self._own.path if self._own is not None else self._listener.getsockname()
         self._listener.setblocking(False)
         self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
         self._buffer = bytearray(MAX_MESSAGE)
@@ -58,15 +79,24 @@ class MetricRelay:
         self.written = 0
         self.dropped = 0
         self.error: BaseException | None = None  # the store's first failure; later values are dropped
+        self._answer: bytes | None = None
+        self._unanswered: list[socket.socket] = []
 
     def start(self) -> None:
         self._thread.start()
+
+    def publish(self, answer: dict) -> None:
+        """What every rank that connects, or has connected, is told (once): the run's identity,
+        or that the call is not tracked."""
+        if self._answer is None and self._wake_write >= 0:
+            self._answer = json.dumps(answer).encode()
+            os.write(self._wake_write, _PUBLISH)
 
     def stop(self, timeout: float) -> bool:
         """Once every rank has ended: writes what is still buffered, then closes. False when the
         store did not take it within `timeout` (the thread is left to finish or fail alone)."""
         if self._wake_write >= 0:
-            os.write(self._wake_write, b"x")
+            os.write(self._wake_write, _STOP)
             self._thread.join(timeout)
             # The thread closes the rest itself when it ends, now or after a late write.
             os.close(self._wake_write)
@@ -87,7 +117,12 @@ class MetricRelay:
                     if key.fileobj is self._listener:
                         self._accept(selector)
                     elif key.fileobj == self._wake_read:
-                        stopping = True
+                        wakes = os.read(self._wake_read, 64)
+                        if _PUBLISH in wakes:
+                            for connection in self._unanswered:
+                                self._answer_rank(connection)
+                            self._unanswered = []
+                        stopping = _STOP in wakes
                     else:
                         self._receive(selector, key.fileobj, pending)
                 if stopping:
@@ -107,9 +142,11 @@ class MetricRelay:
             for connection in self._connections(selector):
                 connection.close()
             selector.close()
-            self._listener.close()
             os.close(self._wake_read)
-            shutil.rmtree(self._folder, ignore_errors=True)
+            if self._own is not None:
+                self._own.close()
+            else:
+                self._listener.close()
 
     def _connections(self, selector: selectors.BaseSelector) -> list[socket.socket]:
         """The ranks' sockets the selector watches (a list: the caller may unregister them)."""
@@ -124,6 +161,16 @@ class MetricRelay:
                 return
             connection.setblocking(False)
             selector.register(connection, selectors.EVENT_READ)
+            if self._answer is not None:
+                self._answer_rank(connection)
+            else:
+                self._unanswered.append(connection)
+
+    def _answer_rank(self, connection: socket.socket) -> None:
+        try:
+            connection.send(self._answer)  # a few hundred bytes into an empty buffer: never blocks
+        except OSError:
+            pass  # the rank is gone; _receive closes its end
 
     def _receive(self, selector: selectors.BaseSelector, connection: socket.socket, records: list[Record]) -> None:
         """Every message waiting on one rank's socket; closes it at its end."""

@@ -61,6 +61,11 @@ def _open_root(path: Path) -> tuple[Path, int]:
     return path, open_private_dir(path, what="fanrun's runs directory", remedy=_ROOT_REMEDY)
 
 
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """A rank's full log in its run's directory."""
+    return run_dir / f"rank_{rank}.log"
+
+
 class RunPaths:
     """One run's directory, held open and locked from create() until close()."""
 
@@ -97,7 +102,7 @@ class RunPaths:
         return self.directory / "payload.pkl"
 
     def log(self, rank: int) -> Path:
-        return self.directory / f"rank_{rank}.log"
+        return rank_log(self.directory, rank)
 
     def result(self, rank: int) -> Path:
         return self.directory / f"rank_{rank}.result"

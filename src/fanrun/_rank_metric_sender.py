@@ -1,7 +1,7 @@
-"""MetricSender: a rank's end of its metric socket to the caller (the caller's end is
+"""MetricSender: a rank's end of its metric socket (the other end, in the tracking agent, is
 _metric_relay.py). Values gather in the rank for up to one buffering interval, as MLflow's
 own asynchronous logging does, and go as one message: a logging call costs an append, and the
-caller is woken about once a second per rank, not once per value.
+relay is woken about once a second per rank, not once per value.
 
 Run as a file, like the worker: standard library only.
 """
@@ -19,9 +19,10 @@ VALUES_PER_MESSAGE = 256
 
 
 class MetricSender:
-    def __init__(self, path: str, interval_s: float) -> None:
-        self._channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._channel.connect(path)
+    """Sends on `channel`, the rank's socket to the relay, connected when the function imported mlflow."""
+
+    def __init__(self, channel: socket.socket, interval_s: float) -> None:
+        self._channel = channel
         self._interval_s = interval_s
         self._start_buffer()
         os.register_at_fork(after_in_child=self._in_forked_child)

@@ -1,10 +1,18 @@
-"""Inside a rank of a tracked call: the call's MLflow run becomes the active run as soon as the
-function imports mlflow, so `mlflow.active_run()` is that run and `mlflow.log_metric` lands on it.
+"""Inside a rank: the call's MLflow run becomes the active run as soon as the function imports
+mlflow, so `mlflow.active_run()` is that run and `mlflow.log_metric` lands on it.
 
-The metrics a rank logs on that run go to the caller over a local socket
-(_rank_metric_sender.py), and the caller writes them to the tracking store (_metric_relay.py):
-the rank pays for an append, not for a store's write, which costs a local sqlite store about
-0.2 ms of CPU per value and would hold the rank's GIL while the loop runs.
+The run is made while the ranks start (by the caller's agent, _tracking_agent.py), so a rank
+learns it only when it needs it: the first `import mlflow` connects to the socket FANRUN_MLFLOW
+names and waits for the answer, the run's identity or "not tracked"; then MLflow's variables
+are set and the import goes on. A function that never imports mlflow never asks, and never waits.
+
+The metrics a rank logs on that run go over the same socket (_rank_metric_sender.py), and the
+agent writes them to the tracking store (_metric_relay.py): the rank pays for an append, not for
+a store's write, which costs a local sqlite store about 0.2 ms of CPU per value and would hold
+the rank's GIL while the loop runs.
+
+When the call is not tracked (FANRUN_MLFLOW=off, or the answer says so), what the function logs
+through MLflow goes nowhere (_rank_tracking_off.py).
 
 Run as a file by the worker, like the worker itself: standard library only, and mlflow is
 never imported here, so a function that does not use mlflow does not pay for importing it.
@@ -13,51 +21,108 @@ never imported here, so a function that does not use mlflow does not pay for imp
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import socket
 import sys
 
+# Set in every rank of a call: OFF, or the path of the socket that tells the call's run.
+VARIABLE = "FANRUN_MLFLOW"
+OFF = "off"
+# Left in the run directory by a rank whose function logged to MLflow while the call was not tracked.
+DROPPED_MARKER = "mlflow-dropped"
 # Seconds a rank's values gather before they go to the caller, unless the user set MLflow's own.
 DEFAULT_BUFFER_S = 1.0
+# The agent answers within its own deadline for making the run; this only guards against one
+# that can no longer answer at all.
+IDENTITY_WAIT_S = 300.0
+# Larger than any answer the caller sends (a few variables).
+MAX_ANSWER = 1 << 16
 
 
 def install() -> None:
-    run_id = os.environ.get("FANRUN_MLFLOW_RUN_ID")
-    if not run_id:
+    how = os.environ.get(VARIABLE)
+    if not how:
         return
     if "mlflow" in sys.modules:
-        _activate(sys.modules["mlflow"], run_id)
+        _after_import(sys.modules["mlflow"], _before_import(how))
     else:
-        sys.meta_path.insert(0, _AfterImport("mlflow", lambda module: _activate(module, run_id)))
+        sys.meta_path.insert(0, _AroundImport("mlflow", lambda: _before_import(how), _after_import))
 
 
-class _AfterImport:
-    """A meta path finder that lets the usual finders load one module, then calls back with it."""
+class _AroundImport:
+    """A meta path finder that runs `before()` when a module is first imported, lets the usual
+    finders load it, then calls `after(module, what before returned)`."""
 
-    def __init__(self, name: str, callback) -> None:
+    def __init__(self, name: str, before, after) -> None:
         self._name = name
-        self._callback = callback
+        self._before = before
+        self._after = after
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self._name:
             return None
         sys.meta_path.remove(self)  # once only, and the real finders must not meet it again
+        state = self._before()
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        exec_module, callback = spec.loader.exec_module, self._callback
+        exec_module, after = spec.loader.exec_module, self._after
 
         def exec_then_call_back(module) -> None:
             exec_module(module)
-            callback(module)
+            after(module, state)
 
         spec.loader.exec_module = exec_then_call_back
         return spec
 
 
-def _activate(mlflow, run_id: str) -> None:
+def _before_import(how: str) -> tuple:
+    """("run", run_id, socket) for the call's run, with MLflow's variables set for it; ("off",
+    namespace of _rank_tracking_off.py) when the call is not tracked, with the tracking URI
+    pointed nowhere. Runs before mlflow reads its variables."""
+    if how != OFF:
+        try:
+            channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            channel.settimeout(IDENTITY_WAIT_S)
+            channel.connect(how)
+            answer = json.loads(channel.recv(MAX_ANSWER))
+            channel.settimeout(None)
+        except (OSError, ValueError) as error:
+            channel.close()
+            _say(f"could not learn the call's MLflow run ({type(error).__name__}: {error}); "
+                 f"what this rank logs with mlflow goes nowhere")
+        else:
+            if answer.get("run_id"):
+                os.environ.update(answer["env"])
+                return "run", answer["run_id"], channel
+            channel.close()
+    import runpy
+
+    off = runpy.run_path(os.path.join(os.path.dirname(__file__), "_rank_tracking_off.py"))
+    os.environ["MLFLOW_TRACKING_URI"] = off["URI"]
+    return "off", off
+
+
+def _after_import(mlflow, state: tuple) -> None:
+    if state[0] == "run":
+        _activate(mlflow, *state[1:])
+        return
+    off = state[1]
+    try:
+        off["install"](off["marker"](os.environ.get("FANRUN_RUN_DIR", "."), DROPPED_MARKER))
+    except Exception as error:
+        _say(f"could not turn MLflow's logging off ({type(error).__name__}: {error})")
+
+
+def _say(text: str) -> None:
+    print(f"fanrun: rank {os.environ.get('RANK', '?')}: {text}", file=sys.stderr, flush=True)
+
+
+def _activate(mlflow, run_id: str, channel: socket.socket) -> None:
     # Without this, the run would become active only at the first logging call, and
     # mlflow.active_run() would be None until then. The run is resumed, not created: the
-    # caller created it and sets its final status once every rank has ended.
+    # agent made it and sets its final status once every rank has ended.
     try:
         if mlflow.active_run() is None:
             mlflow.start_run(run_id=run_id)
@@ -70,28 +135,17 @@ def _activate(mlflow, run_id: str) -> None:
                 os.register_at_fork(after_in_child=lambda: os.environ.setdefault("MLFLOW_RUN_ID", run_id))
         _flush_before_thread_shutdown(mlflow)
     except Exception as error:
-        print(
-            f"fanrun: could not make MLflow run {run_id} active in rank {os.environ.get('RANK', '?')} "
-            f"({type(error).__name__}: {error}); the function's mlflow calls may fail the same way.",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"could not make MLflow run {run_id} active ({type(error).__name__}: {error}); "
+             f"the function's mlflow calls may fail the same way.")
         return
-    relay_path = os.environ.get("FANRUN_METRICS_SOCKET")
-    if relay_path:
-        try:
-            _send_metrics_to_caller(mlflow, run_id, relay_path)
-        except Exception as error:
-            # The store itself still takes them: slower, nothing lost.
-            print(
-                f"fanrun: rank {os.environ.get('RANK', '?')} logs its metrics straight to the tracking store "
-                f"({type(error).__name__}: {error})",
-                file=sys.stderr,
-                flush=True,
-            )
+    try:
+        _send_metrics_to_caller(mlflow, run_id, channel)
+    except Exception as error:
+        # The store itself still takes them: slower, nothing lost.
+        _say(f"logs its metrics straight to the tracking store ({type(error).__name__}: {error})")
 
 
-def _send_metrics_to_caller(mlflow, call_run_id: str, relay_path: str) -> None:
+def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) -> None:
     """Makes this process send the metrics of the call's run to the caller, by both ways a
     metric reaches MLflow's store: the fluent mlflow.log_metric/log_metrics, and the store."""
     import runpy
@@ -100,7 +154,7 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, relay_path: str) -> None:
 
     sender_class = runpy.run_path(os.path.join(os.path.dirname(__file__), "_rank_metric_sender.py"))["MetricSender"]
     buffer_s = float(os.environ.get("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS") or DEFAULT_BUFFER_S)
-    sender = sender_class(relay_path, buffer_s)
+    sender = sender_class(channel, buffer_s)
     _before_thread_shutdown(sender.close)
 
     def send(records: list[tuple]) -> None:

@@ -1,8 +1,13 @@
 """TorchDistributor with the constructor and run() of pyspark.ml.torch.distributor, on
-fanrun's engine: code written for Spark's launcher runs unchanged on this machine, without Spark."""
+fanrun's engine: code written for Spark's launcher runs unchanged on this machine, without Spark.
+
+As Spark's, it makes no MLflow run of its own: the processes get the caller's environment, and
+what a train function logs with mlflow goes where the user's MLflow configuration says (on
+Databricks, a function calls mlflow.start_run() itself)."""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import warnings
@@ -46,6 +51,7 @@ class TorchDistributor:
             raise TypeError(f"train_object must be a function or the path of a .py file, not {type(train_object).__name__}")
         self._check_gpus()
         function = distributed(num_accelerators=self.num_processes, accelerator_type=accelerator)(train_object)
+        function._options = dataclasses.replace(function._options, leave_mlflow_alone=True)
         return function.distributed(*args, **kwargs)[0]
 
     def _run_file(self, path: str, args: tuple, kwargs: dict) -> None:

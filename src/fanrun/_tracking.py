@@ -1,7 +1,20 @@
-"""The MLflow run of one .distributed() call: started in the caller before the ranks, inherited by
-every rank, ended with the call's outcome; parameters, rank logs and system metrics logged on it.
+"""The MLflow run of one .distributed() call: created while the ranks start, learned by every
+rank whose function imports mlflow, ended with the call's outcome; parameters, rank logs and
+system metrics logged on it.
 
-mlflow is imported here only when a call is tracked, never by `import fanrun`.
+This is the caller's half. The MLflow work itself is done by a process of its own, started with
+the call (_tracking_agent.py says why), so that importing mlflow and opening the store happen
+beside the caller's own work and the ranks' start, not before them, and the caller's process
+never imports mlflow. The ranks learn the run through a socket the caller makes before they
+start, and only when their function imports mlflow (_rank_tracking.py): a function that never
+does never waits for the run. A run_id= to resume is checked before any rank starts, as a
+mistake there must stop the call.
+
+The caller and the agent exchange one JSON message at a time over a socket pair:
+  caller -> agent  {"call": {...}}                the call to track, at once
+  agent -> caller  {"opened": {run}} | {"off": problem} | {"not_found": message}
+  caller -> agent  {"finish": {status, tags, run_dir, world_size}}   when the ranks have ended
+  agent -> caller  {"closed": {"warnings": [...]}}                      then the agent exits
 """
 
 from __future__ import annotations
@@ -9,40 +22,39 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import html
+import importlib.util
+import json
 import os
 import secrets
-import shutil
+import socket
+import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
+from . import _rank_tracking as rank_half
+from . import _tracking_store
 from ._accelerators import Plan
 from ._errors import RunTimeoutError
-from ._metric_relay import MetricRelay
+from ._metric_relay import RelaySocket
 from ._paths import RunPaths
-from ._system_metrics import SystemMetricsSampler, sampling_interval
 
-# A tracking server that does not answer /health in this time is taken as unreachable.
-PROBE_TIMEOUT_S = 3.0
-# Bounds on the caller's own MLflow calls: a stalled server costs this much, never a hang.
+# Bounds on the agent's MLflow calls: a stalled server costs this much, never a hang.
 START_DEADLINE_S = 20.0
 FINISH_DEADLINE_S = 60.0
-# How long the end of a run waits for a system-metrics sample still in flight.
-SAMPLER_JOIN_S = 5.0
+# On top of those: the agent's own start (an interpreter, fanrun and mlflow imported) on a busy machine.
+AGENT_START_S = 60.0
 # MLflow refuses longer tag values (5000 characters on some stores).
 MAX_TAG_CHARS = 4000
-# What the ranks get when tracking is off for a call: their own mlflow calls then go to a
-# private in-memory store, so a dead server neither stalls nor crashes the training.
-DROPPED_TRACKING_URI = "sqlite:///:memory:"
+# Larger than any message between the caller and the agent (a call's description, an outcome).
+MAX_MESSAGE = 1 << 20
 _OFF_VALUES = {"0", "false", "no", "off"}
 _notice_lock = threading.Lock()
-_notice_shown = False
+_notices_shown: set[str] = set()
 
 
 class TrackingWarning(UserWarning):
@@ -62,7 +74,7 @@ class TrackedCall:
 
 @dataclasses.dataclass
 class _Run:
-    client: Any
+    client: Any  # the agent's MlflowClient; None in the caller
     run_id: str
     run_name: str
     experiment_id: str
@@ -70,6 +82,8 @@ class _Run:
     tracking_uri: str
     first_system_step: int
     registry_uri: str = ""
+    # A `fanrun ui` server showing this run's local store, when one answered at the start.
+    ui_url: str | None = None
 
 
 def enabled(tracking: bool) -> bool:
@@ -81,181 +95,240 @@ def enabled(tracking: bool) -> bool:
 def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: Any) -> Iterator[TrackedCall]:
     """Starts the call's MLflow run (or not), yields what the ranks need, and ends the run with
     the call's outcome: FINISHED, KILLED (interrupt, timeout) or FAILED (anything else)."""
-    call = TrackedCall()
-    mlflow = _import_mlflow() if enabled(options.tracking) else None
-    if mlflow is None:
+    if options.leave_mlflow_alone:
+        yield TrackedCall()
+        return
+    call = TrackedCall(rank_env={rank_half.VARIABLE: rank_half.OFF})
+    if not enabled(options.tracking):
+        try:
+            yield call
+        finally:
+            _tell_if_dropped(call.paths)
+        return
+    if not _mlflow_installed():
+        _notice_once(
+            "missing",
+            "fanrun: MLflow is not installed, so this call is not tracked "
+            "(pip install mlflow to track it; tracking=False hides this notice).",
+        )
         yield call
         return
-    run = _start(mlflow, function_name, plan, options)
-    if run is None:
-        call.rank_env = {"MLFLOW_TRACKING_URI": DROPPED_TRACKING_URI, "MLFLOW_RUN_ID": ""}
+    run = _AgentRun(function_name, plan, options, gpu_indices)
+    try:
+        run.start()
+    except OSError as error:  # UnsafePathError included
+        _warn(f"fanrun: MLflow tracking is off for this call of {function_name!r}: {error}. The function still "
+              f"runs on every rank; what it logs with mlflow is dropped.")
         yield call
         return
-    call.rank_env = rank_environment(run)
-    relay = _start_relay(run)
-    if relay is not None:
-        call.rank_env["FANRUN_METRICS_SOCKET"] = relay.path
-    _announce(run)
-    sampler = SystemMetricsSampler(
-        _metrics_logger(run), gpu_indices, sampling_interval(), first_step=run.first_system_step
-    )
-    sampler.start()
+    if options.run_id is not None:
+        run.wait_opened()  # a run_id that names no run raises here, before any rank starts
+    call.rank_env = run.rank_environment()
     try:
         yield call
     except BaseException as error:
-        _finish(run, sampler, relay, call.paths, plan.world_size, error)
+        run.finish(call.paths, plan.world_size, error)
         raise
-    _finish(run, sampler, relay, call.paths, plan.world_size, None)
+    run.finish(call.paths, plan.world_size, None)
 
 
-def rank_environment(run: _Run) -> dict[str, str]:
-    """MLflow's own variables, so that a plain mlflow.log_metric in any rank lands on the run."""
-    env = {
-        "MLFLOW_TRACKING_URI": run.tracking_uri,
-        "MLFLOW_RUN_ID": run.run_id,
-        "MLFLOW_EXPERIMENT_ID": run.experiment_id,
-        "MLFLOW_EXPERIMENT_NAME": run.experiment_name,
-        # Read by the worker: the run becomes the active run when the function imports mlflow.
-        "FANRUN_MLFLOW_RUN_ID": run.run_id,
-        # The caller samples the machine once for the run; a monitor in every rank would
-        # write the same metric names N times over.
-        "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
-    }
-    # Each default below is the user's to override. Logging every step must not slow the
-    # loop (docs/benchmarks.md has the figures): the run's metrics go through the caller
-    # (_metric_relay.py), and MLflow's synchronous path, which costs a rank less per call
-    # than its asynchronous one, stays the default.
-    defaults = {
-        # The caller's registry URI, as MLflow's own set_registry_uri passes it on: without it,
-        # every log_metric call in a rank tries to import pyspark to look for one.
-        "MLFLOW_REGISTRY_URI": run.registry_uri,
-        # Each rank ends its MLflow session at exit, and MLflow would print the run's link from
-        # every one of them; the caller has shown it once already.
-        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-    }
-    for key, value in defaults.items():
-        if key not in os.environ and value:
-            env[key] = value
-    return env
+class _AgentRun:
+    """The caller's end of one call's run: it decides where the run goes, starts the agent,
+    announces the run (or warns) when the agent answers, and sends the call's outcome."""
 
+    def __init__(self, function_name: str, plan: Plan, options: Any, gpu_indices: list[int]) -> None:
+        self.function_name = function_name
+        self.run: _Run | None = None
+        self._warning_at = _user_frame()
+        self._raised: Warning | None = None  # a TrackingWarning the user's filters made an error
+        self._not_found: str | None = None
+        # What only this thread can see: MLflow keeps the active run per thread.
+        mlflow = sys.modules.get("mlflow")
+        active = mlflow.active_run() if mlflow is not None else None
+        parent_id = active.info.run_id if active is not None else (os.environ.get("MLFLOW_RUN_ID") or None)
+        self._call = {
+            "function_name": function_name,
+            "run_name": f"{function_name}-{secrets.token_hex(3)}",
+            "params": _parameters(function_name, plan, options),
+            "experiment_name": options.experiment_name,
+            "run_id": options.run_id,
+            "parent_id": parent_id,
+            "started_ms": int(time.time() * 1000),
+            "gpu_indices": gpu_indices,
+            "argv0": sys.argv[0] if sys.argv and sys.argv[0] else "",
+            "store_dir": None,
+        }
+        self._in_fanrun_store = _in_fanrun_store(mlflow, active)
 
-def _import_mlflow():
-    global _notice_shown
-    try:
-        import mlflow
-    except ImportError:
-        with _notice_lock:
-            if not _notice_shown:
-                _notice_shown = True
-                print(
-                    "fanrun: MLflow is not installed, so this call is not tracked "
-                    "(pip install mlflow to track it; tracking=False hides this notice).",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        return None
-    return mlflow
-
-
-def _start(mlflow, function_name: str, plan: Plan, options: Any) -> _Run | None:
-    """The run, created or resumed; None (after one warning) where the tracking store fails."""
-    uri = mlflow.get_tracking_uri()
-    shown = masked(uri)
-    try:
-        registry_uri = mlflow.get_registry_uri() or ""
-    except Exception:
-        registry_uri = ""
-    # Thread-local in MLflow: read here, in the caller's thread.
-    active = mlflow.active_run()
-    parent_id = active.info.run_id if active is not None else (os.environ.get("MLFLOW_RUN_ID") or None)
-    try:
-        _probe(uri)
-        run = _within(START_DEADLINE_S, _open_run, uri, function_name, plan, options, parent_id)
-        run.registry_uri = registry_uri
-        return run
-    except _RunNotFound as error:
-        raise ValueError(str(error)) from None
-    except _StoreDown as error:
-        problem = f"the tracking server {shown} {error}"
-    except TimeoutError as error:
-        problem = f"the tracking store {shown} gave {error}"
-    except Exception as error:
-        problem = f"the tracking store {shown} failed ({_describe(error)})"
-    _warn(
-        f"fanrun: MLflow tracking is off for this call of {function_name!r}: {problem}. The function "
-        f"still runs on every rank; what it logs with mlflow is dropped. Check the tracking server, "
-        f"or pass tracking=False to @distributed to run without it."
-    )
-    return None
-
-
-def _open_run(uri: str, function_name: str, plan: Plan, options: Any, parent_id: str | None) -> _Run:
-    from mlflow import MlflowClient
-    from mlflow.entities import Param
-    from mlflow.exceptions import MlflowException
-
-    client = MlflowClient(uri)
-    if options.run_id is not None:
+    def start(self) -> None:
+        if self._in_fanrun_store:
+            store = _tracking_store.default_store()
+            self._call["store_dir"] = str(store.directory)
+            # MLflow's own variable, so that the agent, the ranks, the processes this one starts
+            # and its own later mlflow calls (mlflow.search_runs) all find the same runs.
+            os.environ["MLFLOW_TRACKING_URI"] = store.uri
+        self.socket = RelaySocket()
         try:
-            run = client.get_run(options.run_id)
-        except MlflowException as error:
-            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
-                raise _RunNotFound(
-                    f"run_id={options.run_id!r} names no MLflow run in {masked(uri)}; pass the id of an existing "
-                    f"run to resume it, or leave run_id unset to start a new run"
-                ) from None
+            self._control, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            with agent_end:
+                log = os.open(self.agent_log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    self._agent = subprocess.Popen(
+                        [sys.executable, "-c", _agent_code(), str(agent_end.fileno()), str(self.socket.listener.fileno())],
+                        pass_fds=(agent_end.fileno(), self.socket.listener.fileno()),
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                        # Out of the terminal's process group: Ctrl+C stops the call, and the
+                        # agent then closes the run as KILLED.
+                        start_new_session=True,
+                    )
+                finally:
+                    os.close(log)
+            send(self._control, {"call": self._call})
+        except BaseException:
+            self.socket.close()
             raise
-        if run.info.lifecycle_stage == "deleted":
-            raise _RunNotFound(f"run_id={options.run_id!r} names a deleted MLflow run in {masked(uri)}; restore it first")
-        client.update_run(run.info.run_id, status="RUNNING")
-        first_step = _next_system_step(client, run.info.run_id)
-    else:
-        experiment_id = _experiment_id(client, options.experiment_name, parent_id)
-        tags = {"mlflow.parentRunId": parent_id} if parent_id else {}
+        self.socket.listener.close()  # the agent serves it; the caller keeps only the folder
+        self._listener = threading.Thread(target=self._hear_opened, name="fanrun-mlflow", daemon=True)
+        self._listener.start()
+
+    @property
+    def agent_log(self) -> str:
+        return os.path.join(self.socket.folder, "agent.log")
+
+    def rank_environment(self) -> dict[str, str]:
+        env = {
+            rank_half.VARIABLE: self.socket.path,
+            # The agent samples the machine once for the run; a monitor in every rank would
+            # write the same metric names N times over.
+            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+        }
+        # Each rank ends its MLflow session at exit, and MLflow would print the run's link from
+        # every one of them; the caller has shown it once already. The user's to override.
+        if "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT" not in os.environ:
+            env["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+        return env
+
+    def wait_opened(self) -> None:
         try:
-            from mlflow.tracking.context.registry import resolve_tags
+            self._listener.join()
+            if self._not_found is not None:
+                raise ValueError(self._not_found)
+        except BaseException:
+            self._end_agent()
+            self.socket.close()
+            raise
 
-            # The source, user and git commit that mlflow.start_run() would record.
-            tags = resolve_tags(tags)
-        except Exception:
+    def _hear_opened(self) -> None:
+        """The agent's first answer, in a thread of the caller: the run's line (or link) appears
+        as soon as the run exists, while the ranks run."""
+        try:
+            self._control.settimeout(AGENT_START_S + START_DEADLINE_S)
+            answer = receive(self._control)
+        except (OSError, ValueError) as error:
+            answer = {"off": f"no answer from the process that tracks it ({describe(error)})"}
+        if answer is None:
+            answer = {"off": f"the process that tracks it ended early{self._agent_log_tail()}"}
+        if "opened" in answer:
+            self.run = _Run(client=None, first_system_step=0, **answer["opened"])
+            _announce(self.run)
+        elif "not_found" in answer:
+            self._not_found = answer["not_found"]
+        else:
+            self._warn(
+                f"fanrun: MLflow tracking is off for this call of {self.function_name!r}: {answer['off']}. The function "
+                f"still runs on every rank; what it logs with mlflow is dropped. Check the tracking server, "
+                f"or pass tracking=False to @distributed to run without it."
+            )
+
+    def finish(self, paths: RunPaths | None, world_size: int, error: BaseException | None) -> None:
+        status, tags = outcome(error)
+        closed = None
+        try:
+            send(self._control, {"finish": {
+                "status": status, "tags": tags, "world_size": world_size,
+                "run_dir": str(paths.directory) if paths is not None else None,
+            }})
+            self._listener.join()
+            self._control.settimeout(AGENT_START_S + START_DEADLINE_S + 2 * FINISH_DEADLINE_S)
+            closed = receive(self._control)
+        except (OSError, ValueError):
             pass
-        run_name = f"{function_name}-{secrets.token_hex(3)}"
-        run = client.create_run(experiment_id, run_name=run_name, tags=tags)
-        first_step = 0
-    params = _parameters(function_name, plan, options)
-    existing = run.data.params
-    # Parameters cannot change on a resumed run: keep what it already has.
-    new = [Param(key, value) for key, value in params.items() if key not in existing]
-    if new:
-        client.log_batch(run.info.run_id, params=new)
-    experiment = client.get_experiment(run.info.experiment_id)
-    return _Run(
-        client=client,
-        run_id=run.info.run_id,
-        run_name=run.info.run_name,
-        experiment_id=run.info.experiment_id,
-        experiment_name=experiment.name,
-        tracking_uri=uri,
-        first_system_step=first_step,
-    )
+        finally:
+            self._end_agent()
+        if self.run is not None:
+            if closed is None:
+                _warn(f"fanrun: the MLflow run {self.run.run_name} ({self.run.run_id}) may not be closed as {status}: the "
+                      f"process that tracks it did not finish{self._agent_log_tail()}; the call's outcome is unchanged.")
+            else:
+                for message in closed["closed"]["warnings"]:
+                    _warn(message)
+        self.socket.close()
+        if self._raised is not None and error is None:
+            raise self._raised
+
+    def _end_agent(self) -> None:
+        """The agent exits once it has answered; one that does not (stuck in a store) is killed."""
+        self._control.close()
+        try:
+            self._agent.wait(FINISH_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            self._agent.kill()
+            self._agent.wait()
+
+    def _agent_log_tail(self) -> str:
+        try:
+            with open(self.agent_log, errors="replace") as log:
+                lines = log.read().strip().splitlines()[-15:]
+        except OSError:
+            return ""
+        return (":\n" + "\n".join("    " + line for line in lines)) if lines else ""
+
+    def _warn(self, message: str) -> None:
+        """At the user's line that called .distributed(), from whichever thread; where the user's
+        filters turn it into an error, the call raises it at its end."""
+        try:
+            warnings.warn_explicit(message, TrackingWarning, *self._warning_at)
+        except Warning as raised:
+            self._raised = raised
 
 
-def _experiment_id(client, experiment_name: str | None, parent_id: str | None) -> str:
-    if experiment_name is not None:
-        experiment = client.get_experiment_by_name(experiment_name)
-        if experiment is None:
-            return client.create_experiment(experiment_name)
-        if experiment.lifecycle_stage == "deleted":
-            raise RuntimeError(f"experiment {experiment_name!r} is deleted; restore it or choose another name")
-        return experiment.experiment_id
-    if parent_id is not None:
-        # A child lives beside its parent, where the UI shows them nested.
-        return client.get_run(parent_id).info.experiment_id
-    # Where mlflow.start_run() would put a run: mlflow.set_experiment(), MLFLOW_EXPERIMENT_NAME
-    # or _ID, a Databricks notebook's own experiment, else the default one.
-    from mlflow.tracking.fluent import _get_experiment_id
+def _agent_code() -> str:
+    """The agent's -c program: with the caller's sys.path, as a rank has it, so that it imports the
+    same fanrun and mlflow as the caller."""
+    return f"import sys; sys.path[:] = {sys.path!r}; from fanrun._tracking_agent import main; main()"
 
-    return _get_experiment_id()
+
+def send(channel: socket.socket, message: dict) -> None:
+    """One message to the agent, or from it: a JSON object in one packet."""
+    channel.send(json.dumps(message).encode())
+
+
+def receive(channel: socket.socket) -> dict | None:
+    """The next message, or None once the other end has closed."""
+    data = channel.recv(MAX_MESSAGE)
+    return json.loads(data) if data else None
+
+
+def _mlflow_installed() -> bool:
+    if "mlflow" in sys.modules:
+        return sys.modules["mlflow"] is not None  # None: an import of it is refused
+    return importlib.util.find_spec("mlflow") is not None
+
+
+def _in_fanrun_store(mlflow, active) -> bool:
+    """Whether the run goes to fanrun's own store: the tracking URI names it (an earlier call set
+    it), or nothing chooses where runs go: no tracking URI (MLFLOW_TRACKING_URI, which
+    mlflow.set_tracking_uri also sets), not on Databricks, and no run or experiment of MLflow's
+    own default store in use (mlflow.set_experiment sets MLFLOW_EXPERIMENT_ID)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return _tracking_store.is_default_store(uri)
+    if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        return False
+    if os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_EXPERIMENT_ID") or active is not None:
+        return False
+    service = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    return mlflow is None or not getattr(service, "_tracking_uri", None)
 
 
 def _parameters(function_name: str, plan: Plan, options: Any) -> dict[str, str]:
@@ -270,74 +343,6 @@ def _parameters(function_name: str, plan: Plan, options: Any) -> dict[str, str]:
         "fanrun.timeout_s": "none" if options.timeout is None else f"{options.timeout:g}",
         "fanrun.version": __version__,
     }
-
-
-def _next_system_step(client, run_id: str) -> int:
-    """A resumed run's system metrics go on from the step after its last one, as MLflow's monitor does."""
-    history = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
-    return max((m.step for m in history), default=-1) + 1
-
-
-def _start_relay(run: _Run) -> MetricRelay | None:
-    """The caller's end of the ranks' metric sockets; None (the ranks then write to the store
-    themselves, more slowly) where no socket can be made."""
-    from mlflow.entities import Metric
-
-    def write(records: list[tuple]) -> None:
-        metrics = []
-        for key, value, timestamp, step, model_id, dataset_name, dataset_digest in records:
-            # Only what was set: older MLflow versions know neither models nor datasets here.
-            extra = {name: v for name, v in (("model_id", model_id), ("dataset_name", dataset_name), ("dataset_digest", dataset_digest)) if v is not None}
-            metrics.append(Metric(key, value, timestamp, step, **extra))
-        run.client.log_batch(run.run_id, metrics=metrics)
-
-    try:
-        relay = MetricRelay(write)
-    except OSError as error:
-        print(f"fanrun: each rank writes its metrics to the tracking store itself ({_describe(error)})", file=sys.stderr, flush=True)
-        return None
-    relay.start()
-    return relay
-
-
-def _metrics_logger(run: _Run) -> Callable[[dict[str, float], int], None]:
-    from mlflow.entities import Metric
-
-    def log(metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        batch = [Metric(key, value, now, step) for key, value in metrics.items()]
-        if batch:
-            run.client.log_batch(run.run_id, metrics=batch)
-
-    return log
-
-
-def _finish(
-    run: _Run, sampler: SystemMetricsSampler, relay: MetricRelay | None, paths: RunPaths | None, world_size: int, error: BaseException | None
-) -> None:
-    status, tags = outcome(error)
-    final_sample = sampler.sample if sampler.stop(SAMPLER_JOIN_S) else None
-    # Every rank has ended: the last values they logged go on the run before it is closed.
-    if relay is not None:
-        if not relay.stop(FINISH_DEADLINE_S):
-            _warn(f"fanrun: the tracking store {masked(run.tracking_uri)} did not take the ranks' last metrics "
-                  f"within {FINISH_DEADLINE_S:g} s; the run is closed without them.")
-        elif relay.error is not None:
-            _warn(f"fanrun: {relay.dropped} metric values logged by the ranks could not be written to the MLflow run "
-                  f"{run.run_name} ({_describe(relay.error)}); the call's outcome is unchanged.")
-    try:
-        _within(FINISH_DEADLINE_S, _close_run, run, final_sample, paths, world_size, status, tags)
-    except Exception as failure:
-        _warn(
-            f"fanrun: the MLflow run {run.run_name} ({run.run_id}) could not be closed as {status} in "
-            f"{masked(run.tracking_uri)} ({_describe(failure)}); the call's outcome is unchanged."
-        )
-        return
-    if sampler.error is not None:
-        _warn(
-            f"fanrun: system metrics stopped early on the MLflow run {run.run_name} "
-            f"({_describe(sampler.error)}); the call's outcome is unchanged."
-        )
 
 
 def outcome(error: BaseException | None) -> tuple[str, dict[str, str]]:
@@ -358,98 +363,29 @@ def outcome(error: BaseException | None) -> tuple[str, dict[str, str]]:
     return "FAILED", tags
 
 
-def _close_run(
-    run: _Run, final_sample: Callable[[], None] | None, paths: RunPaths | None, world_size: int, status: str, tags: dict[str, str]
-) -> None:
-    if final_sample is not None:
-        final_sample()
-    if paths is not None:
-        _upload_logs(run, paths, world_size)
-    for key, value in tags.items():
-        run.client.set_tag(run.run_id, key, value)
-    # Last, so that a run shown as ended has everything on it.
-    run.client.set_terminated(run.run_id, status)
-
-
-def _upload_logs(run: _Run, paths: RunPaths, world_size: int) -> None:
-    """Every rank's full log as logs/rank_N.txt, linked (not copied) into a folder of that layout."""
-    staging = paths.directory / "mlflow-logs"
-    staging.mkdir(mode=0o700, exist_ok=True)
-    try:
-        for rank in range(world_size):
-            source, target = paths.log(rank), staging / f"rank_{rank}.txt"
-            if not source.exists():
-                continue
-            try:
-                os.link(source, target)
-            except OSError:
-                shutil.copyfile(source, target)
-        run.client.log_artifacts(run.run_id, str(staging), artifact_path="logs")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _probe(uri: str) -> None:
-    """Fails fast where an HTTP tracking server is down or broken, before MLflow's own retries
-    (minutes of back-off) would. Any answer below 500 counts as up: auth is MLflow's to handle."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S):
-            return
-    except urllib.error.HTTPError as error:
-        if error.code >= 500:
-            raise _StoreDown(f"answers with errors (HTTP {error.code} {error.reason} for /health)") from None
-    except (urllib.error.URLError, OSError) as error:
-        raise _StoreDown(f"cannot be reached ({getattr(error, 'reason', error)})") from None
-
-
-def _within(seconds: float, fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) in a helper thread, waited for at most `seconds`: a tracking call that hangs
-    is left behind, and the call goes on without tracking."""
-    outcome_box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome_box["value"] = fn(*args)
-        except BaseException as error:
-            outcome_box["error"] = error
-
-    thread = threading.Thread(target=target, name="fanrun-mlflow", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise TimeoutError(f"no answer within {seconds:g} s")
-    if "error" in outcome_box:
-        raise outcome_box["error"]
-    return outcome_box.get("value")
-
-
-class _RunNotFound(Exception):
-    """run_id= names no run: the caller's mistake, raised before anything starts."""
-
-
-class _StoreDown(Exception):
-    """The tracking server is down or answers with server errors."""
-
-
 # ---------------------------------------------------------------- where the run is shown
 
 
 def run_url(run: _Run) -> str | None:
-    """The run's page in the tracking server's UI, which serves at the tracking URI itself."""
-    if not run.tracking_uri.startswith(("http://", "https://")):
+    """The run's page in a UI: the tracking server's own (it serves at the tracking URI), or a
+    `fanrun ui` server showing the local store."""
+    if run.tracking_uri.startswith(("http://", "https://")):
+        base = masked(run.tracking_uri)
+    elif run.ui_url is not None:
+        base = run.ui_url
+    else:
         return None
-    return f"{masked(run.tracking_uri).rstrip('/')}/#/experiments/{run.experiment_id}/runs/{run.run_id}"
+    return f"{base.rstrip('/')}/#/experiments/{run.experiment_id}/runs/{run.run_id}"
 
 
 def link_text(run: _Run) -> str:
     where = run_url(run)
     if where is None:
         uri = masked(run.tracking_uri)
-        scheme = urllib.parse.urlsplit(run.tracking_uri).scheme
-        if scheme in ("sqlite", "file") or (not scheme and ("/" in uri or uri.startswith("."))):
-            where = f"open it with `mlflow ui --backend-store-uri {uri}`"
+        if _tracking_store.is_default_store(run.tracking_uri):
+            where = "run `fanrun ui` to open it"
+        elif _tracking_store.is_local(run.tracking_uri):
+            where = f"run `fanrun ui --backend-store-uri {uri}` to open it"
         else:
             where = f"tracking URI {uri}"
     return f"fanrun: MLflow run {run.run_name} ({run.run_id}) in experiment {run.experiment_name}: {where}"
@@ -485,7 +421,9 @@ def _announce(run: _Run) -> None:
             return
         except Exception:
             pass  # a front end that cannot show HTML still gets the line below
-    print(link_text(run), file=sys.stdout, flush=True)
+    # One write: the line comes from a thread while rank output is being written.
+    sys.stdout.write(link_text(run) + "\n")
+    sys.stdout.flush()
 
 
 def _in_jupyter_kernel() -> bool:
@@ -497,19 +435,46 @@ def _in_jupyter_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-# ---------------------------------------------------------------- warnings
+# ---------------------------------------------------------------- notices and warnings
 
 
-def _describe(error: BaseException) -> str:
+def _tell_if_dropped(paths: RunPaths | None) -> None:
+    """Once per process: a call was not tracked, and what its ranks logged with mlflow went nowhere."""
+    if paths is not None and (paths.directory / rank_half.DROPPED_MARKER).exists():
+        _notice_once(
+            "dropped",
+            "fanrun: this call is not tracked (tracking=False or FANRUN_TRACKING=0), so what its ranks logged "
+            "with mlflow went nowhere; no MLflow run was made. Leave tracking on to keep it.",
+        )
+
+
+def _notice_once(key: str, text: str) -> None:
+    with _notice_lock:
+        if key in _notices_shown:
+            return
+        _notices_shown.add(key)
+    print(text, file=sys.stderr, flush=True)
+
+
+def describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     first = text[0] if text else ""
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
+def _user_frame() -> tuple:
+    """(filename, lineno, module, registry) of the user's line that called .distributed(), the first
+    frame outside fanrun: what warnings.warn_explicit needs to warn there from any thread. (Not the
+    module's globals: a `python -c` program's loader cannot give its source, and linecache finds
+    files and notebook cells by name.)"""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(0)
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__"), registry
+
+
 def _warn(message: str) -> None:
     """Warns at the user's line that called .distributed(), not at fanrun's own frames."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(0), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == contextlib.__file__):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, TrackingWarning, stacklevel=level)
+    warnings.warn_explicit(message, TrackingWarning, *_user_frame())

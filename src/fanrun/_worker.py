@@ -47,8 +47,9 @@ def main() -> None:
     if control_fd:
         # Processes this rank starts must not hold the engine's channel open.
         os.set_inheritable(int(control_fd), False)
-    if os.environ.get("FANRUN_MLFLOW_RUN_ID"):
-        # A tracked call: its MLflow run becomes active when the function imports mlflow.
+    if os.environ.get("FANRUN_MLFLOW"):  # _rank_tracking.VARIABLE
+        # A call of @distributed: when the function imports mlflow, the call's run becomes
+        # active there, or MLflow logs nowhere if the call is not tracked.
         import runpy
 
         runpy.run_path(os.path.join(os.path.dirname(__file__), "_rank_tracking.py"))["install"]()
