@@ -13,6 +13,7 @@
 // one without waiting, so it only ever removes files no process is using.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -43,12 +44,19 @@ struct CacheItem {
   int64_t size = -1;   // expected bytes, verified after the fetch; -1 when unknown
 };
 
-// Writes the whole of item.source into partial_path (creating or truncating it).
-// Called on the pool's threads, several at a time.
-using Fetcher = std::function<Status(const CacheItem& item, const std::string& partial_path)>;
+// Asked by a thread that fetches or waits on a caller's behalf, at least every
+// kInterruptCheckMs while it waits: a status that is not OK (the cache is closing, or the
+// caller was interrupted) makes it give up and return that status.
+using Interrupt = std::function<Status()>;
+constexpr int kInterruptCheckMs = 100;
 
-// Copies a local file: for sources on a slow mount that should be read from local disk.
-Status CopyLocalFile(const CacheItem& item, const std::string& partial_path);
+// Writes the whole of item.source into partial_path (creating or truncating it), giving up
+// when `interrupt` says so. Called on the pool's threads, several at a time.
+using Fetcher = std::function<Status(const CacheItem& item, const std::string& partial_path, const Interrupt& interrupt)>;
+
+// Copies a local file: for sources on a slow mount that should be read from local disk. It
+// waits on no one, so it does not ask `interrupt`.
+Status CopyLocalFile(const CacheItem& item, const std::string& partial_path, const Interrupt& interrupt);
 
 // Writes all of data to a fetcher's partial file; a full filesystem's error says what to do.
 Status WriteToCacheFile(int fd, const char* data, size_t size, const std::string& partial_path);
@@ -65,7 +73,7 @@ struct CacheStats {
 class FileCache {
  public:
   static Result<std::unique_ptr<FileCache>> Open(CacheOptions options, Fetcher fetcher);
-  // Stops the threads and joins them; a fetch in progress is finished first.
+  // Stops the threads and joins them; a fetch in progress is given up.
   ~FileCache();
   FileCache(const FileCache&) = delete;
   FileCache& operator=(const FileCache&) = delete;
@@ -73,8 +81,9 @@ class FileCache {
   // Queues a fetch unless this process already holds or queued the file.
   Status Prefetch(const CacheItem& item);
   // Waits until the file is in the cache and returns its path; it stays in use (never
-  // evicted) until Release. A fetch that failed every attempt returns its error.
-  Result<std::string> Acquire(const CacheItem& item);
+  // evicted) until Release. A fetch that failed every attempt returns its error. With an
+  // `interrupt`, the wait (and a fetch on the caller's thread) ends when it says so.
+  Result<std::string> Acquire(const CacheItem& item, const Interrupt& interrupt = nullptr);
   // Ends this process's use of a file, whether it was acquired, prefetched or queued.
   void Release(const std::string& name);
   // Releases every file and drops queued fetches.
@@ -99,9 +108,11 @@ class FileCache {
   // Records the outcome of a fetch; called with mutex_ held.
   void Finish(const std::string& name, Result<FileDescriptor> pin);
   // Brings the file into files/ and returns a descriptor holding its shared flock.
-  Result<FileDescriptor> Materialize(const CacheItem& item);
+  Result<FileDescriptor> Materialize(const CacheItem& item, const Interrupt& caller_interrupt);
   Result<FileDescriptor> PinIfComplete(const CacheItem& item, bool* found);
-  Status FetchOnce(const CacheItem& item, uint64_t* bytes);
+  Status FetchOnce(const CacheItem& item, const Interrupt& interrupt, uint64_t* bytes);
+  // The closing cache, then the caller's interrupt, if any.
+  Status Interrupted(const Interrupt& caller) const;
   // Moves a verified fetch into files/, first evicting least recently used files not in
   // use until `bytes` more fit under the limit.
   Status Commit(const std::string& partial, const std::string& final_path, uint64_t bytes);
@@ -116,7 +127,7 @@ class FileCache {
   std::condition_variable entry_done_;
   std::deque<std::string> queue_;
   std::map<std::string, Entry> entries_;
-  bool stopping_ = false;
+  std::atomic<bool> stopping_{false};  // set under mutex_, read without it by fetches in flight
   CacheStats stats_;
 
   std::mutex usage_mutex_;  // flock does not exclude threads sharing one descriptor
