@@ -21,8 +21,10 @@ namespace {
 
 constexpr long kConnectTimeoutMs = 60000;
 constexpr long kMaxRedirects = 10;
-// What one read from the socket may hand over: fewer callbacks and writes for large files.
+// What one read from the socket may take: fewer calls for large files.
 constexpr long kReceiveBufferBytes = 512 * 1024;
+// libcurl hands the body over in pieces of 16 KiB at most; they are written in pieces of this.
+constexpr size_t kWriteBytes = 1 << 20;
 
 CURLcode GlobalInit() {
   // curl_global_init must not run twice at once; a function-local static runs it once.
@@ -32,8 +34,10 @@ CURLcode GlobalInit() {
 
 // One GET: where its body goes and why a callback stopped it, shared with libcurl's callbacks.
 struct Transfer {
-  Transfer(const CacheItem& wanted, const std::string& partial, const HttpOptions& limits)
-      : item(wanted), partial_path(partial), options(limits) {}
+  Transfer(const CacheItem& wanted, const std::string& partial, const HttpOptions& limits, std::string& buffer)
+      : item(wanted), partial_path(partial), options(limits), unwritten(buffer) {
+    unwritten.clear();
+  }
 
   const CacheItem& item;
   const std::string& partial_path;
@@ -41,7 +45,8 @@ struct Transfer {
   internal::ResponseHead head;
   Status stopped;  // why a callback stopped the transfer
   FileDescriptor out;
-  uint64_t written = 0;
+  std::string& unwritten;  // body bytes not yet written to `out`, in the session's buffer
+  uint64_t received = 0;  // body bytes taken, written or not
   char error[CURL_ERROR_SIZE] = {};
 
   std::string Url() const { return internal::Printable(item.source); }
@@ -72,7 +77,7 @@ struct Transfer {
       Status opened = transfer->Open();
       if (!opened.ok()) return transfer->Stop(std::move(opened));
     }
-    const uint64_t after = transfer->written + bytes;
+    const uint64_t after = transfer->received + bytes;
     if (transfer->item.size >= 0 && after > static_cast<uint64_t>(transfer->item.size)) {
       return transfer->Stop(Status::IOError("'", transfer->Url(), "' sent more than the ", transfer->item.size,
                                             " bytes its listing gave; the rest was not read"));
@@ -80,10 +85,19 @@ struct Transfer {
     if (transfer->options.max_bytes > 0 && after > static_cast<uint64_t>(transfer->options.max_bytes)) {
       return transfer->Stop(TooLarge(transfer->Url(), transfer->options.max_bytes));
     }
-    Status wrote = WriteToCacheFile(transfer->out.fd(), data, bytes, transfer->partial_path);
-    if (!wrote.ok()) return transfer->Stop(std::move(wrote));
-    transfer->written = after;
+    transfer->unwritten.append(data, bytes);
+    transfer->received = after;
+    if (transfer->unwritten.size() >= kWriteBytes) {
+      Status wrote = transfer->Flush();
+      if (!wrote.ok()) return transfer->Stop(std::move(wrote));
+    }
     return bytes;
+  }
+
+  Status Flush() {
+    Status wrote = WriteToCacheFile(out.fd(), unwritten.data(), unwritten.size(), partial_path);
+    unwritten.clear();
+    return wrote;
   }
 
   static Status TooLarge(const std::string& url, int64_t max_bytes) {
@@ -93,6 +107,7 @@ struct Transfer {
 
   Status Open() {
     FANRUN_ASSIGN_OR_RETURN(out, OpenFile(partial_path, O_WRONLY | O_CREAT | O_TRUNC, 0644));
+    unwritten.reserve(kWriteBytes + CURL_MAX_WRITE_SIZE);  // once per session: the buffer is kept
     return Status::OK();
   }
 
@@ -118,6 +133,7 @@ struct Transfer {
     if (!stopped.ok()) return stopped;
     if (result == CURLE_OK) {
       if (!out.valid()) FANRUN_RETURN_NOT_OK(Open());  // an empty body calls no callback
+      FANRUN_RETURN_NOT_OK(Flush());
       return out.Close();
     }
     const std::string why = error[0] != '\0' ? error : curl_easy_strerror(result);
@@ -125,20 +141,20 @@ struct Transfer {
       case CURLE_OPERATION_TIMEDOUT:
         if (why.rfind("Operation too slow", 0) == 0) {
           return Status::IOError("'", Url(), "' came at less than ", options.min_rate_bytes, " bytes/s for ",
-                                 options.min_rate_seconds, " s (", written, " bytes of its body had come): ", why,
+                                 options.min_rate_seconds, " s (", received, " bytes of its body had come): ", why,
                                  "; min_fetch_rate sets this limit");
         }
         if (options.timeout_ms > 0 && why.rfind("Operation timed out", 0) == 0) {
           return Status::IOError("'", Url(), "' was not fetched within its deadline of ", static_cast<double>(options.timeout_ms) / 1000,
-                                 " s (", written, " bytes of its body had come): ", why, "; fetch_timeout sets this deadline");
+                                 " s (", received, " bytes of its body had come): ", why, "; fetch_timeout sets this deadline");
         }
         break;
       case CURLE_PARTIAL_FILE:
         if (head.content_length() >= 0) {
-          return Status::DataLoss("'", Url(), "' ended after ", written, " of the ", head.content_length(),
+          return Status::DataLoss("'", Url(), "' ended after ", received, " of the ", head.content_length(),
                                   " bytes its server announced");
         }
-        return Status::DataLoss("'", Url(), "' ended after ", written, " bytes, before its body's end: ", why);
+        return Status::DataLoss("'", Url(), "' ended after ", received, " bytes, before its body's end: ", why);
       case CURLE_PEER_FAILED_VERIFICATION:
       case CURLE_SSL_CACERT_BADFILE:
         return Status::IOError("The certificate of '", Url(), "' was not verified: ", why,
@@ -190,6 +206,7 @@ struct HttpFetcher::Session {
   }
 
   std::vector<int> sockets;
+  std::string body_buffer;  // Transfer::unwritten
   std::unique_ptr<CURLM, MultiCleanup> multi;
   std::unique_ptr<CURL, EasyCleanup> easy;
 };
@@ -258,7 +275,7 @@ Status HttpFetcher::Fetch(const CacheItem& item, const std::string& partial_path
   FANRUN_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, TakeSession());
   CURL* easy = session->easy.get();
   CURLM* multi = session->multi.get();
-  Transfer transfer(item, partial_path, options_);
+  Transfer transfer(item, partial_path, options_, session->body_buffer);
   CURLcode set = curl_easy_setopt(easy, CURLOPT_URL, url.c_str());
   if (set == CURLE_OK) set = curl_easy_setopt(easy, CURLOPT_HEADERDATA, &transfer);
   if (set == CURLE_OK) set = curl_easy_setopt(easy, CURLOPT_WRITEDATA, &transfer);
