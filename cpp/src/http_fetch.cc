@@ -317,9 +317,10 @@ Status HttpFetcher::Fetch(const CacheItem& item, const std::string& partial_path
   if (curl_easy_getinfo(easy, CURLINFO_NUM_CONNECTS, &connects) == CURLE_OK && connects > 0) {
     connections_made_ += static_cast<uint64_t>(connects);
   }
+  // Before the session goes back: the last of the body is still in its buffer.
+  Status outcome = interrupted.ok() ? transfer.Outcome(result) : interrupted;
   PutSession(std::move(session));
-  if (!interrupted.ok()) return interrupted;
-  return transfer.Outcome(result);
+  return outcome;
 }
 
 }  // namespace fanrun

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -26,9 +27,9 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// A real HTTP server on 127.0.0.1 for one test. It serves one connection at a time: each
-// request's head goes to `answer`, which writes to the connection whatever the test wants a
-// server to write (and returns false to close the connection).
+// A real HTTP server on 127.0.0.1 for one test, a thread per connection: each request's head
+// goes to `answer`, which writes to the connection whatever the test wants a server to write
+// (and returns false to close the connection).
 class TestServer {
  public:
   using Answer = std::function<bool(TestServer& server, int connection, const std::string& request)>;
@@ -50,11 +51,12 @@ class TestServer {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
-      if (connection_ >= 0) ::shutdown(connection_, SHUT_RDWR);
+      for (int connection : connections_) ::shutdown(connection, SHUT_RDWR);
     }
     stopped_.notify_all();
     ::shutdown(listener_, SHUT_RDWR);
     thread_.join();
+    for (std::thread& served : served_) served.join();
     ::close(listener_);
   }
 
@@ -85,38 +87,38 @@ class TestServer {
       const int connection = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
       if (connection < 0) return;
       ++accepted_;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (stopping_) {
-          ::close(connection);
-          return;
-        }
-        connection_ = connection;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) {
+        ::close(connection);
+        return;
       }
-      std::string pending;
-      while (true) {
-        size_t end;
-        while ((end = pending.find("\r\n\r\n")) == std::string::npos) {
-          char buffer[4096];
-          const ssize_t n = ::recv(connection, buffer, sizeof(buffer), 0);
-          if (n <= 0) break;
-          pending.append(buffer, static_cast<size_t>(n));
-        }
-        if (end == std::string::npos) break;
-        const std::string request = pending.substr(0, end + 4);
-        pending.erase(0, end + 4);
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          requests_.push_back(request);
-        }
-        if (!answer_(*this, connection, request)) break;
-      }
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        connection_ = -1;
-      }
-      ::close(connection);
+      connections_.push_back(connection);
+      served_.emplace_back([this, connection] { ServeConnection(connection); });
     }
+  }
+
+  void ServeConnection(int connection) {
+    std::string pending;
+    while (true) {
+      size_t end;
+      while ((end = pending.find("\r\n\r\n")) == std::string::npos) {
+        char buffer[4096];
+        const ssize_t n = ::recv(connection, buffer, sizeof(buffer), 0);
+        if (n <= 0) break;
+        pending.append(buffer, static_cast<size_t>(n));
+      }
+      if (end == std::string::npos) break;
+      const std::string request = pending.substr(0, end + 4);
+      pending.erase(0, end + 4);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        requests_.push_back(request);
+      }
+      if (!answer_(*this, connection, request)) break;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    connections_.erase(std::find(connections_.begin(), connections_.end(), connection));
+    ::close(connection);
   }
 
   Answer answer_;
@@ -127,8 +129,9 @@ class TestServer {
   std::mutex mutex_;
   std::condition_variable stopped_;
   bool stopping_ = false;
-  int connection_ = -1;
+  std::vector<int> connections_;
   std::vector<std::string> requests_;
+  std::vector<std::thread> served_;
   std::thread thread_;
 };
 
@@ -188,6 +191,30 @@ TEST_F(HttpFetchTest, WritesBodiesAndKeepsTheConnection) {
   EXPECT_EQ(fetcher.connections_made(), 1u);
   EXPECT_EQ(server.accepted(), 1);
   EXPECT_NE(server.requests()[0].find("User-Agent: fanrun\r\n"), std::string::npos) << server.requests()[0];
+}
+
+TEST_F(HttpFetchTest, FetchesOnSeveralThreadsEachWriteTheirOwnBody) {
+  // Each body is one byte repeated, the byte named by the path: a piece of another body shows.
+  TestServer echo_server([](TestServer& self, int connection, const std::string& request) {
+    const int byte = std::stoi(Target(request).substr(1)) % 256;
+    return self.Send(connection, Ok(std::string(static_cast<size_t>(100 + byte), static_cast<char>(byte))));
+  });
+  HttpFetcher fetcher;
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = t; i < 2000; i += 8) {
+        const std::string name = std::to_string(i);
+        if (!Fetch(fetcher, echo_server.Url("/" + name), name).ok() ||
+            ReadFile(Path(name)) != std::string(static_cast<size_t>(100 + i % 256), static_cast<char>(i % 256))) {
+          ++wrong;
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(wrong.load(), 0);
 }
 
 TEST_F(HttpFetchTest, AnErrorStatusNamesItselfAndItsBodyIsNotRead) {
