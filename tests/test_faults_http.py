@@ -386,22 +386,9 @@ def test_a_404_with_an_endless_body_fails_at_once_naming_the_status(hostile, tmp
     assert server.bytes_sent < BUFFERED_AT_MOST
 
 
-def test_ctrl_c_interrupts_a_slow_fetch_within_a_second(hostile, tmp_path):
-    """SIGINT (Ctrl+C, or a Jupyter kernel's interrupt) reached a caller waiting in the engine
-    only when the fetch ended, which a server sending a byte a second never lets happen. The
-    caller now gets KeyboardInterrupt at once, and the process exits without waiting for the
-    fetches still in flight on the cache's threads."""
-    server = hostile({"/d/": listing([f"slow{i}.bin" for i in range(4)]),
-                      **{f"/d/slow{i}.bin": head_then_slow_body for i in range(4)}})
-    code = textwrap.dedent(
-        f"""
-        import sys
-        from fanrun.data import VolumeDataset
-        ds = VolumeDataset({server.url + "/d/"!r}, cache_dir={str(tmp_path / "cache")!r}, shuffle=False)
-        print("listed", flush=True)
-        list(ds)
-        """
-    )
+def interrupted_after(server: HostileServer, code: str) -> tuple[str, float]:
+    """Runs `code` in a process of its own, sends it SIGINT once it waits on a slow file, and
+    returns its stderr and the seconds from the signal to its end."""
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "listed"
@@ -413,11 +400,56 @@ def test_ctrl_c_interrupts_a_slow_fetch_within_a_second(hostile, tmp_path):
         sent = time.monotonic()
         child.send_signal(signal.SIGINT)
         _, stderr = child.communicate(timeout=10)
-        took = time.monotonic() - sent
+        return stderr, time.monotonic() - sent
     finally:
         if child.poll() is None:
             child.kill()
             child.communicate()
+
+
+def slow_files(hostile) -> HostileServer:
+    return hostile({"/d/": listing([f"slow{i}.bin" for i in range(4)]),
+                    **{f"/d/slow{i}.bin": head_then_slow_body for i in range(4)}})
+
+
+def test_ctrl_c_interrupts_a_slow_fetch_within_a_second(hostile, tmp_path):
+    """SIGINT (Ctrl+C, or a Jupyter kernel's interrupt) reached a caller waiting in the engine
+    only when the fetch ended, which a server sending a byte a second never lets happen. The
+    caller now gets KeyboardInterrupt at once, and the process exits without waiting for the
+    fetches still in flight on the cache's threads."""
+    server = slow_files(hostile)
+    stderr, took = interrupted_after(server, textwrap.dedent(
+        f"""
+        from fanrun.data import VolumeDataset
+        ds = VolumeDataset({server.url + "/d/"!r}, cache_dir={str(tmp_path / "cache")!r}, shuffle=False)
+        print("listed", flush=True)
+        list(ds)
+        """
+    ))
+    assert "KeyboardInterrupt" in stderr, stderr
+    assert took < 2.0, f"{took:.2f} s from SIGINT to the end of the process"
+
+
+def test_ctrl_c_in_a_fetch_by_fsspec_is_not_taken_for_a_failed_attempt(hostile, tmp_path):
+    """A KeyboardInterrupt raised inside fsspec's fetch (storage_options given) was taken for a
+    failed attempt and tried again. It now reaches the caller at once. (fsspec's fetches still
+    in flight on the cache's threads are waited for at exit: the process ends here by
+    os._exit.)"""
+    server = slow_files(hostile)
+    stderr, took = interrupted_after(server, textwrap.dedent(
+        f"""
+        import os, sys
+        from fanrun.data import VolumeDataset
+        ds = VolumeDataset({server.url + "/d/"!r}, cache_dir={str(tmp_path / "cache")!r}, shuffle=False,
+                           storage_options={{"headers": {{"X-Fanrun-Test": "1"}}}})
+        print("listed", flush=True)
+        try:
+            list(ds)
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt", file=sys.stderr, flush=True)
+            os._exit(1)
+        """
+    ))
     assert "KeyboardInterrupt" in stderr, stderr
     assert took < 2.0, f"{took:.2f} s from SIGINT to the end of the process"
 

@@ -198,7 +198,8 @@ struct HttpFetcher::Session {
   // Whether a connection kept alive has bytes no request asked for, or was closed. Bytes a
   // server sent after an answer would be read as the answer to the next request on that
   // connection (libcurl 7.88 reuses a connection with input pending): such a session is
-  // dropped, and its connections with it.
+  // dropped, and its connections with it. (An HTTP/2 server's PING or GOAWAY on an idle
+  // connection drops it too: a new connection, nothing worse.)
   bool HasUnaskedInput() const {
     std::vector<pollfd> kept;
     for (int fd : sockets) kept.push_back(pollfd{fd, POLLIN, 0});

@@ -72,7 +72,8 @@ def engine_http_options(fetch_timeout: float | None, min_fetch_rate: tuple[int, 
     """The engine's HTTP limits, as _core.FileCache takes them, and the certificate
     authorities it trusts for https: the file named by CURL_CA_BUNDLE or else SSL_CERT_FILE,
     the directory named by SSL_CERT_DIR; the system's where none is set."""
-    if fetch_timeout is not None and (isinstance(fetch_timeout, bool) or not fetch_timeout > 0):
+    if fetch_timeout is not None and (isinstance(fetch_timeout, bool) or not isinstance(fetch_timeout, (int, float))
+                                      or not fetch_timeout > 0):
         raise ValueError(f"fetch_timeout must be a number of seconds above 0, or None for no deadline, not {fetch_timeout!r}")
     rate, seconds = (0, 0.0) if min_fetch_rate is None else _rate(min_fetch_rate)
     return {
