@@ -8,6 +8,8 @@ INSTALLED := $(VENV)/.fanrun-installed
 SOURCES := $(shell find cpp src -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 # The engine's tests: warnings are errors, AddressSanitizer and UndefinedBehaviorSanitizer on.
 CPP_TEST_BUILD := build/cpp-tests
+# libcurl, the engine's HTTP client, comes from Debian's package, installed before anything builds.
+NEED_LIBCURL = @dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libcurl4-openssl-dev)
 
 .PHONY: setup demo test test-cpp test-python wheel clean
 
@@ -24,6 +26,7 @@ $(PY):
 # between installs: its build tools come into .venv first, with a setuptools and wheel that
 # can build any sdist among its own dependencies the same way.
 $(INSTALLED): $(PY) $(SOURCES)
+	$(NEED_LIBCURL)
 	$(PY) -m pip install --quiet --group test
 	$(PY) -m pip install --quiet "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja "setuptools>=70" wheel
 	$(PY) -m pip install --quiet --no-build-isolation \
@@ -52,6 +55,7 @@ test-python: setup
 # `pip install <path>` or `pip wheel <path>` builds fanrun anywhere else. WHEEL_DIR moves it.
 WHEEL_DIR ?= dist
 wheel: $(PY)
+	$(NEED_LIBCURL)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir "$(WHEEL_DIR)" .
 
 clean:

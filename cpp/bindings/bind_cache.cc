@@ -1,4 +1,5 @@
-// Python access to the node-wide file cache; a Python callable may fetch remote sources.
+// Python access to the node-wide file cache; the engine fetches http(s):// itself, a Python
+// callable the other remote sources.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -17,13 +18,25 @@ namespace nb = nanobind;
 namespace fanrun::bindings {
 namespace {
 
+// Whether Python has a signal to deliver: its handler runs here, and a KeyboardInterrupt it
+// raises stays set, for the binding to raise once the engine has returned.
+Status PythonSignals() {
+  nb::gil_scoped_acquire gil;
+  if (PyErr_Occurred() != nullptr || PyErr_CheckSignals() != 0) return Status::Invalid("Interrupted by a signal");
+  return Status::OK();
+}
+
 // Owns the engine cache and the Python fetch callable. The cache's threads call the
 // callable with the GIL taken only around the call; they are joined with the GIL
 // released, or a thread waiting for the GIL would never finish.
 class PyFileCache {
  public:
-  PyFileCache(const std::string& dir, uint64_t limit_bytes, int threads, int attempts, nb::object fetch, bool native_http)
-      : fetch_(std::move(fetch)), owner_pid_(::getpid()) {
+  PyFileCache(const std::string& dir, uint64_t limit_bytes, int threads, int attempts, nb::object fetch, bool native_http,
+              double fetch_timeout_s, int64_t min_rate_bytes, int64_t min_rate_seconds, const std::string& ca_file,
+              const std::string& ca_dir)
+      : fetch_(std::move(fetch)),
+        owner_pid_(::getpid()),
+        main_thread_(nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"))) {
     CacheOptions options;
     options.dir = dir;
     options.limit_bytes = limit_bytes;
@@ -32,15 +45,21 @@ class PyFileCache {
     Fetcher fetcher = CopyLocalFile;
     if (!fetch_.is_none()) {
       PyObject* callable = fetch_.ptr();  // kept alive by fetch_ for as long as the threads run
-      // http:// sources are fetched by the engine itself, without the GIL; what it leaves
-      // (https, redirects, chunked bodies) and every other source goes to the callable.
-      std::shared_ptr<HttpFetcher> http = native_http ? std::make_shared<HttpFetcher>() : nullptr;
-      fetcher = [callable, http](const CacheItem& item, const std::string& partial) -> Status {
-        if (http != nullptr) {
-          bool fall_back = false;
-          Status fetched = http->Fetch(item, partial, &fall_back);
-          if (!fall_back) return fetched;
-        }
+      // http(s):// sources are fetched by the engine itself, without the GIL; every other
+      // source goes to the callable.
+      std::shared_ptr<HttpFetcher> http;
+      if (native_http) {
+        HttpOptions http_options;
+        http_options.timeout_ms = static_cast<int64_t>(fetch_timeout_s * 1000);
+        http_options.min_rate_bytes = min_rate_bytes;
+        http_options.min_rate_seconds = min_rate_seconds;
+        http_options.max_bytes = static_cast<int64_t>(limit_bytes);
+        http_options.ca_file = ca_file;
+        http_options.ca_dir = ca_dir;
+        http = std::make_shared<HttpFetcher>(std::move(http_options));
+      }
+      fetcher = [callable, http](const CacheItem& item, const std::string& partial, const Interrupt& interrupt) -> Status {
+        if (http != nullptr && HttpFetcher::Handles(item.source)) return http->Fetch(item, partial, interrupt);
         if (!nb::is_alive()) return Status::Invalid("The interpreter is shutting down");
         nb::gil_scoped_acquire gil;
         try {
@@ -48,6 +67,12 @@ class PyFileCache {
           function(item.source, partial);
           return Status::OK();
         } catch (nb::python_error& error) {
+          if (!error.matches(PyExc_Exception)) {
+            // KeyboardInterrupt (Ctrl+C in the caller's fetch): not a failure to retry but
+            // the caller's to see; the interrupt check finds it set.
+            error.restore();
+            return Status::Invalid("Interrupted by a signal");
+          }
           // The exception's type and text, not its traceback: the message names the source.
           std::string text = nb::cast<std::string>(nb::str(error.type().attr("__name__"))) + ": " +
                              nb::cast<std::string>(nb::str(error.value()));
@@ -74,6 +99,12 @@ class PyFileCache {
     cache_.reset();
   }
 
+  // What a caller's wait in the engine asks: only the main thread runs Python's signal handlers.
+  Interrupt CallerInterrupt() const {
+    if (PyThread_get_thread_ident() != main_thread_) return nullptr;
+    return PythonSignals;
+  }
+
   FileCache& cache() {
     if (cache_ == nullptr) ThrowIfError(Status::Invalid("The file cache is closed"));
     if (::getpid() != owner_pid_) {
@@ -86,6 +117,7 @@ class PyFileCache {
  private:
   nb::object fetch_;
   const pid_t owner_pid_;
+  const unsigned long main_thread_;
   std::unique_ptr<FileCache> cache_;
 };
 
@@ -147,8 +179,11 @@ void BindCache(nb::module_& m) {
         return out;
       });
   nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable())
-      .def(nb::init<const std::string&, uint64_t, int, int, nb::object, bool>(), nb::arg("dir"), nb::arg("limit_bytes"),
-           nb::arg("threads"), nb::arg("attempts"), nb::arg("fetch").none(), nb::arg("native_http") = false)
+      .def(nb::init<const std::string&, uint64_t, int, int, nb::object, bool, double, int64_t, int64_t, const std::string&,
+                    const std::string&>(),
+           nb::arg("dir"), nb::arg("limit_bytes"), nb::arg("threads"), nb::arg("attempts"), nb::arg("fetch").none(),
+           nb::arg("native_http") = false, nb::arg("fetch_timeout_s") = 0.0, nb::arg("min_rate_bytes") = 0,
+           nb::arg("min_rate_seconds") = 0, nb::arg("ca_file") = "", nb::arg("ca_dir") = "")
       .def(
           "prefetch",
           [](PyFileCache& self, const std::string& source, const std::string& name, int64_t size) {
@@ -159,11 +194,13 @@ void BindCache(nb::module_& m) {
           "acquire",
           [](PyFileCache& self, const std::string& source, const std::string& name, int64_t size) {
             FileCache& cache = self.cache();
+            const Interrupt interrupt = self.CallerInterrupt();
             Result<std::string> path = Status::Internal("not acquired");
             {
               nb::gil_scoped_release release;
-              path = cache.Acquire(CacheItem{source, name, size});
+              path = cache.Acquire(CacheItem{source, name, size}, interrupt);
             }
+            if (PyErr_Occurred() != nullptr) throw nb::python_error();  // the signal's exception
             return ValueOrThrow(std::move(path));
           },
           nb::arg("source"), nb::arg("name"), nb::arg("size"))

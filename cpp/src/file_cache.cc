@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -20,12 +21,13 @@ namespace {
 constexpr size_t kRecordBytes = 64;
 constexpr char kRecordMagic[8] = {'f', 'a', 'n', 'r', 'e', 'c', '0', '1'};
 
-// Blocking flock: a wait on the kernel, woken when the holder unlocks or dies.
-Status Lock(int fd, int operation, const std::string& path) {
+// Blocking flock: a wait on the kernel, woken when the holder unlocks or dies. A signal to
+// this thread (a caller's Ctrl+C) ends the wait when `interrupt` says so.
+Status Lock(int fd, int operation, const std::string& path, const Interrupt& interrupt = nullptr) {
   int rc;
-  do {
-    rc = ::flock(fd, operation);
-  } while (rc != 0 && errno == EINTR);
+  while ((rc = ::flock(fd, operation)) != 0 && errno == EINTR) {
+    FANRUN_RETURN_NOT_OK(interrupt ? interrupt() : Status::OK());
+  }
   if (rc != 0) return Status::IOErrorFromErrno(errno, "Failed to lock '", path, "'");
   return Status::OK();
 }
@@ -128,7 +130,7 @@ Status WriteToCacheFile(int fd, const char* data, size_t size, const std::string
   return Status::OK();
 }
 
-Status CopyLocalFile(const CacheItem& item, const std::string& partial_path) {
+Status CopyLocalFile(const CacheItem& item, const std::string& partial_path, const Interrupt& /*interrupt*/) {
   FANRUN_ASSIGN_OR_RETURN(FileDescriptor in, OpenFile(item.source, O_RDONLY));
   FANRUN_ASSIGN_OR_RETURN(FileDescriptor out, OpenFile(partial_path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW, 0600));
   bool in_kernel = true;  // copy_file_range, until the filesystems say they cannot
@@ -237,7 +239,7 @@ Status FileCache::Prefetch(const CacheItem& item) {
   return Status::OK();
 }
 
-Result<std::string> FileCache::Acquire(const CacheItem& item) {
+Result<std::string> FileCache::Acquire(const CacheItem& item, const Interrupt& interrupt) {
   FANRUN_RETURN_NOT_OK(ValidateName(item.name));
   std::unique_lock<std::mutex> lock(mutex_);
   auto [it, inserted] = entries_.try_emplace(item.name);
@@ -249,15 +251,26 @@ Result<std::string> FileCache::Acquire(const CacheItem& item) {
     it->second.state = State::kFetching;
     const CacheItem wanted = it->second.item;
     lock.unlock();
-    Result<FileDescriptor> pin = Materialize(wanted);
+    Result<FileDescriptor> pin = Materialize(wanted, interrupt);
     lock.lock();
     Finish(wanted.name, std::move(pin));
   }
-  entry_done_.wait(lock, [&] {
+  auto done = [&] {
     auto found = entries_.find(item.name);
     return stopping_ || found == entries_.end() || found->second.state == State::kReady ||
            found->second.state == State::kFailed;
-  });
+  };
+  if (!interrupt) {
+    entry_done_.wait(lock, done);
+  } else {
+    while (!entry_done_.wait_for(lock, std::chrono::milliseconds(kInterruptCheckMs), done)) {
+      // Asked without mutex_: it may take the GIL, which a thread waiting for mutex_ may hold.
+      lock.unlock();
+      Status stop = interrupt();
+      lock.lock();
+      if (!stop.ok()) return stop;
+    }
+  }
   it = entries_.find(item.name);
   if (it == entries_.end() || stopping_) return Status::Invalid("The cache of '", options_.dir, "' was closed while '", item.source, "' was awaited");
   if (it->second.state == State::kFailed) {
@@ -309,7 +322,7 @@ void FileCache::Run() {
     it->second.state = State::kFetching;
     const CacheItem item = it->second.item;
     lock.unlock();
-    Result<FileDescriptor> pin = Materialize(item);
+    Result<FileDescriptor> pin = Materialize(item, nullptr);
     lock.lock();
     Finish(name, std::move(pin));
   }
@@ -423,7 +436,13 @@ Result<bool> FileCache::Verify(const std::string& name, const Held& held) {
   return true;
 }
 
-Result<FileDescriptor> FileCache::Materialize(const CacheItem& item) {
+Status FileCache::Interrupted(const Interrupt& caller) const {
+  if (stopping_) return Status::Invalid("The cache of '", options_.dir, "' is closing");
+  return caller ? caller() : Status::OK();
+}
+
+Result<FileDescriptor> FileCache::Materialize(const CacheItem& item, const Interrupt& caller_interrupt) {
+  const Interrupt interrupted = [this, &caller_interrupt] { return Interrupted(caller_interrupt); };
   FANRUN_ASSIGN_OR_RETURN(Held held, Inspect(item));
   if (held.verdict == Verdict::kServe) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -434,7 +453,7 @@ Result<FileDescriptor> FileCache::Materialize(const CacheItem& item) {
   const std::string lock_path = options_.dir + "/locks/" + item.name;
   FANRUN_ASSIGN_OR_RETURN(FileDescriptor fetch_lock,
                           OpenInDirectory(dirs_.locks.fd(), options_.dir + "/locks", item.name, O_RDWR | O_CREAT));
-  FANRUN_RETURN_NOT_OK(Lock(fetch_lock.fd(), LOCK_EX, lock_path));
+  FANRUN_RETURN_NOT_OK(Lock(fetch_lock.fd(), LOCK_EX, lock_path, interrupted));
   // Another process may have fetched or verified it while this one waited for the lock.
   FANRUN_ASSIGN_OR_RETURN(held, Inspect(item));
   if (held.verdict == Verdict::kServe) {
@@ -459,12 +478,13 @@ Result<FileDescriptor> FileCache::Materialize(const CacheItem& item) {
   uint64_t bytes = 0;
   FileDescriptor pin;
   for (int attempt = 1; attempt <= options_.attempts; ++attempt) {
-    Result<FileDescriptor> fetched = FetchOnce(item, &bytes);
+    Result<FileDescriptor> fetched = FetchOnce(item, interrupted, &bytes);
     last = fetched.status();
     if (last.ok()) {
       pin = std::move(fetched).ValueOrDie();
       break;
     }
+    FANRUN_RETURN_NOT_OK(interrupted());  // given up, not failed: no more attempts
     if (attempt < options_.attempts) {
       std::lock_guard<std::mutex> lock(mutex_);
       ++stats_.retries;
@@ -480,7 +500,7 @@ Result<FileDescriptor> FileCache::Materialize(const CacheItem& item) {
   return pin;
 }
 
-Result<FileDescriptor> FileCache::FetchOnce(const CacheItem& item, uint64_t* bytes) {
+Result<FileDescriptor> FileCache::FetchOnce(const CacheItem& item, const Interrupt& interrupt, uint64_t* bytes) {
   const int partial_dir = dirs_.partial.fd();
   const char* name = item.name.c_str();
   const std::string partial = options_.dir + "/partial/" + item.name;
@@ -500,7 +520,7 @@ Result<FileDescriptor> FileCache::FetchOnce(const CacheItem& item, uint64_t* byt
   if (made < 0) return CacheWriteError(errno, internal::StrCat("Failed to create '", partial, "'"));
   FANRUN_RETURN_NOT_OK(FileDescriptor(made).Close());
 
-  Status fetched = fetcher_(item, partial);
+  Status fetched = fetcher_(item, partial, interrupt);
   if (!fetched.ok()) return fail(fetched);
   int fd;
   do {

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <fstream>
 #include <future>
 #include <sstream>
@@ -113,9 +114,9 @@ TEST_F(FileCacheTest, CachesSharingADirectoryFetchEachFileOnce) {
   std::vector<CacheItem> items;
   for (int i = 0; i < 20; ++i) items.push_back(Source("f" + std::to_string(i), 2000));
   std::atomic<int> calls{0};
-  Fetcher counting = [&](const CacheItem& item, const std::string& partial) {
+  Fetcher counting = [&](const CacheItem& item, const std::string& partial, const Interrupt& interrupt) {
     ++calls;
-    return CopyLocalFile(item, partial);
+    return CopyLocalFile(item, partial, interrupt);
   };
   // Each cache opens its own descriptors, so their flocks exclude each other as two
   // processes' would.
@@ -225,10 +226,10 @@ TEST_F(FileCacheTest, ReleasingQueuedFetchesDropsThem) {
   for (int i = 0; i < 50; ++i) items.push_back(Source("q" + std::to_string(i), 10));
   std::promise<void> gate;
   std::shared_future<void> opened = gate.get_future().share();
-  Fetcher gated = [&](const CacheItem& item, const std::string& partial) {
+  Fetcher gated = [&](const CacheItem& item, const std::string& partial, const Interrupt& interrupt) {
     ++calls;
     opened.wait();  // both threads hold a fetch here while the rest is still queued
-    return CopyLocalFile(item, partial);
+    return CopyLocalFile(item, partial, interrupt);
   };
   auto cache = OpenCache(0, gated);
   for (const auto& item : items) ASSERT_TRUE(cache->Prefetch(item).ok());
@@ -372,7 +373,7 @@ TEST_F(FileCacheTest, EverythingTheCacheMakesIsPrivateWhateverTheUmask) {
 
 TEST_F(FileCacheTest, AFetcherThatLeavesAFileOfItsOwnHasItMadePrivate) {
   CacheItem item = Source("own.bin", 300, 'o');
-  Fetcher replacing = [&](const CacheItem& wanted, const std::string& partial) {
+  Fetcher replacing = [&](const CacheItem& wanted, const std::string& partial, const Interrupt&) {
     // Written beside and renamed over, as some fetchers do, with the umask's mode.
     const std::string beside = partial + ".tmp";
     const int fd = ::open(beside.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
@@ -403,6 +404,42 @@ TEST_F(FileCacheTest, ACacheDirectoryOfAnotherUserIsRefused) {
             std::string::npos)
       << cache.status().message();
   EXPECT_TRUE(Listing("").empty());  // nothing made in it
+}
+
+// A fetch that waits on a server which never answers, as long as nobody interrupts it.
+Status NeverAnswers(const CacheItem&, const std::string&, const Interrupt& interrupt) {
+  while (true) {
+    FANRUN_RETURN_NOT_OK(interrupt());
+    std::this_thread::sleep_for(std::chrono::milliseconds(kInterruptCheckMs));
+  }
+}
+
+TEST_F(FileCacheTest, AnInterruptEndsTheWaitForAFetchOnThePool) {
+  auto cache = OpenCache(0, NeverAnswers);
+  const CacheItem item{"http://nowhere/a", "a", -1};
+  ASSERT_TRUE(cache->Prefetch(item).ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  auto path = cache->Acquire(item, [&] { return seconds() > 0.3 ? Status::Invalid("interrupted") : Status::OK(); });
+  EXPECT_LT(seconds(), 0.3 + 3 * kInterruptCheckMs / 1000.0);
+  ASSERT_FALSE(path.ok());
+  EXPECT_EQ(path.status().message(), "interrupted");
+  cache.reset();  // the fetch on the pool is given up: the threads join at once
+  EXPECT_LT(seconds(), 1.0);
+}
+
+TEST_F(FileCacheTest, AnInterruptedFetchOnTheCallersThreadIsNotTriedAgain) {
+  std::atomic<int> calls{0};
+  Fetcher counted = [&](const CacheItem& item, const std::string& partial, const Interrupt& interrupt) {
+    ++calls;
+    return NeverAnswers(item, partial, interrupt);
+  };
+  auto cache = OpenCache(0, counted, 3);
+  auto path = cache->Acquire(CacheItem{"http://nowhere/b", "b", -1}, [] { return Status::Invalid("interrupted"); });
+  ASSERT_FALSE(path.ok());
+  EXPECT_EQ(path.status().message(), "interrupted");
+  EXPECT_EQ(calls.load(), 1);
+  EXPECT_TRUE(Listing("partial").empty());
 }
 
 }  // namespace

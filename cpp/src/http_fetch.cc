@@ -1,289 +1,326 @@
-// HttpFetcher: HTTP/1.1 GET over plain TCP, connections kept per server between fetches.
+// HttpFetcher: GET through libcurl, one easy and one multi handle per session, the sessions
+// (and the connections their multi handles keep alive) reused between fetches.
 #include "fanrun/http_fetch.h"
 
+#include <curl/curl.h>
 #include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cctype>
-#include <cstdlib>
+#include <chrono>
+#include <string_view>
 #include <utility>
-#include <vector>
+
+#include "http_message_internal.h"
 
 namespace fanrun {
 namespace {
 
-constexpr size_t kMaxHeaderBytes = 64 * 1024;
-constexpr size_t kBodyChunk = 1 << 20;
+constexpr long kConnectTimeoutMs = 60000;
+constexpr long kMaxRedirects = 10;
+// What one read from the socket may take: fewer calls for large files.
+constexpr long kReceiveBufferBytes = 512 * 1024;
+// libcurl hands the body over in pieces of 16 KiB at most; they are written in pieces of this.
+constexpr size_t kWriteBytes = 1 << 20;
 
-std::string Lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text;
+CURLcode GlobalInit() {
+  // curl_global_init must not run twice at once; a function-local static runs it once.
+  static const CURLcode code = curl_global_init(CURL_GLOBAL_DEFAULT);
+  return code;
 }
 
-std::string Trim(const std::string& text) {
-  const size_t begin = text.find_first_not_of(" \t");
-  if (begin == std::string::npos) return "";
-  return text.substr(begin, text.find_last_not_of(" \t") - begin + 1);
-}
+// One GET: where its body goes and why a callback stopped it, shared with libcurl's callbacks.
+struct Transfer {
+  Transfer(const CacheItem& wanted, const std::string& partial, const HttpOptions& limits, std::string& buffer)
+      : item(wanted), partial_path(partial), options(limits), unwritten(buffer) {
+    unwritten.clear();
+  }
 
-// What the answer's head says.
-struct Head {
-  int status = 0;
-  std::string reason;
-  int64_t content_length = -1;
-  bool chunked = false;
-  bool keep_alive = true;
-};
+  const CacheItem& item;
+  const std::string& partial_path;
+  const HttpOptions& options;
+  internal::ResponseHead head;
+  Status stopped;  // why a callback stopped the transfer
+  FileDescriptor out;
+  std::string& unwritten;  // body bytes not yet written to `out`, in the session's buffer
+  uint64_t received = 0;  // body bytes taken, written or not
+  char error[CURL_ERROR_SIZE] = {};
 
-bool ParseHead(const std::string& text, Head* head) {
-  const size_t line_end = text.find("\r\n");
-  const std::string status_line = text.substr(0, line_end);
-  if (status_line.rfind("HTTP/1.", 0) != 0 || status_line.size() < 12) return false;
-  head->keep_alive = status_line[7] == '1';  // HTTP/1.0 closes unless it says otherwise
-  head->status = std::atoi(status_line.c_str() + 9);
-  head->reason = status_line.size() > 13 ? status_line.substr(13) : "";
-  size_t at = line_end + 2;
-  while (at < text.size()) {
-    const size_t end = text.find("\r\n", at);
-    const std::string line = text.substr(at, end == std::string::npos ? std::string::npos : end - at);
-    at = end == std::string::npos ? text.size() : end + 2;
-    const size_t colon = line.find(':');
-    if (colon == std::string::npos) continue;
-    const std::string name = Lower(Trim(line.substr(0, colon)));
-    const std::string value = Trim(line.substr(colon + 1));
-    if (name == "content-length") {
-      char* parse_end = nullptr;
-      const long long length = std::strtoll(value.c_str(), &parse_end, 10);
-      if (parse_end == value.c_str() || length < 0) return false;
-      head->content_length = length;
-    } else if (name == "transfer-encoding") {
-      head->chunked = Lower(value) != "identity";
-    } else if (name == "connection") {
-      const std::string lowered = Lower(value);
-      if (lowered.find("close") != std::string::npos) head->keep_alive = false;
-      if (lowered.find("keep-alive") != std::string::npos) head->keep_alive = true;
+  std::string Url() const { return internal::Printable(item.source); }
+
+  // A count other than the one handed over makes libcurl abort the transfer.
+  size_t Stop(Status why) {
+    stopped = std::move(why);
+    return 0;
+  }
+
+  static size_t OnHeader(char* data, size_t size, size_t count, void* self) {
+    auto* transfer = static_cast<Transfer*>(self);
+    const bool was_complete = transfer->head.complete();
+    Status added = transfer->head.AddLine(std::string_view(data, size * count));
+    if (!added.ok()) return transfer->Stop(Status::IOError("The answer for '", transfer->Url(), "' ", added.message()));
+    if (!was_complete && transfer->head.complete()) {
+      Status accepted = transfer->HeadDone();
+      if (!accepted.ok()) return transfer->Stop(std::move(accepted));
     }
+    return size * count;
   }
-  return true;
-}
 
-Status SetTimeouts(int fd, int timeout_ms) {
-  timeval tv{};
-  tv.tv_sec = timeout_ms / 1000;
-  tv.tv_usec = static_cast<suseconds_t>((timeout_ms % 1000) * 1000);
-  if (::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
-      ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) != 0) {
-    return Status::IOErrorFromErrno(errno, "Failed to set a socket's timeouts");
+  // Only the body of the final answer comes here: libcurl skips those of redirects.
+  static size_t OnBody(char* data, size_t size, size_t count, void* self) {
+    auto* transfer = static_cast<Transfer*>(self);
+    const size_t bytes = size * count;
+    if (!transfer->out.valid()) {
+      Status opened = transfer->Open();
+      if (!opened.ok()) return transfer->Stop(std::move(opened));
+    }
+    const uint64_t after = transfer->received + bytes;
+    if (transfer->item.size >= 0 && after > static_cast<uint64_t>(transfer->item.size)) {
+      return transfer->Stop(Status::IOError("'", transfer->Url(), "' sent more than the ", transfer->item.size,
+                                            " bytes its listing gave; the rest was not read"));
+    }
+    if (transfer->options.max_bytes > 0 && after > static_cast<uint64_t>(transfer->options.max_bytes)) {
+      return transfer->Stop(TooLarge(transfer->Url(), transfer->options.max_bytes));
+    }
+    transfer->unwritten.append(data, bytes);
+    transfer->received = after;
+    if (transfer->unwritten.size() >= kWriteBytes) {
+      Status wrote = transfer->Flush();
+      if (!wrote.ok()) return transfer->Stop(std::move(wrote));
+    }
+    return bytes;
   }
-  return Status::OK();
-}
+
+  Status Flush() {
+    Status wrote = WriteToCacheFile(out.fd(), unwritten.data(), unwritten.size(), partial_path);
+    unwritten.clear();
+    return wrote;
+  }
+
+  static Status TooLarge(const std::string& url, int64_t max_bytes) {
+    return Status::IOError("'", url, "' is larger than the cache's limit of ", max_bytes,
+                           " bytes; the rest was not read: raise cache_limit to cache it");
+  }
+
+  Status Open() {
+    FANRUN_ASSIGN_OR_RETURN(out, OpenFile(partial_path, O_WRONLY | O_TRUNC | O_NOFOLLOW));
+    unwritten.reserve(kWriteBytes + CURL_MAX_WRITE_SIZE);  // once per session: the buffer is kept
+    return Status::OK();
+  }
+
+  // The head of an answer has come: its body is read only for a 200 that may be right.
+  Status HeadDone() const {
+    const int status = head.status();
+    if (status >= 100 && status < 200) return Status::OK();                      // interim: the answer follows
+    if (status >= 300 && status < 400 && head.has_location()) return Status::OK();  // followed by libcurl
+    if (status != 200) {
+      const std::string reason = head.reason().empty() ? "" : " " + internal::Printable(head.reason());
+      return Status::IOError("HTTP ", status, reason, " for '", Url(), "'");
+    }
+    const int64_t length = head.content_length();
+    if (length >= 0 && item.size >= 0 && length != item.size) {
+      return Status::IOError("'", Url(), "' announces ", length, " bytes where its listing gave ", item.size);
+    }
+    if (length >= 0 && options.max_bytes > 0 && length > options.max_bytes) return TooLarge(Url(), options.max_bytes);
+    return Status::OK();
+  }
+
+  // What the transfer came to, once libcurl has finished it with `result`.
+  Status Outcome(CURLcode result) {
+    if (!stopped.ok()) return stopped;
+    if (result == CURLE_OK) {
+      if (!out.valid()) FANRUN_RETURN_NOT_OK(Open());  // an empty body calls no callback
+      FANRUN_RETURN_NOT_OK(Flush());
+      return out.Close();
+    }
+    const std::string why = error[0] != '\0' ? error : curl_easy_strerror(result);
+    switch (result) {
+      case CURLE_OPERATION_TIMEDOUT:
+        if (why.rfind("Operation too slow", 0) == 0) {
+          return Status::IOError("'", Url(), "' came at less than ", options.min_rate_bytes, " bytes/s for ",
+                                 options.min_rate_seconds, " s (", received, " bytes of its body had come): ", why,
+                                 "; min_fetch_rate sets this limit");
+        }
+        if (options.timeout_ms > 0 && why.rfind("Operation timed out", 0) == 0) {
+          return Status::IOError("'", Url(), "' was not fetched within its deadline of ", static_cast<double>(options.timeout_ms) / 1000,
+                                 " s (", received, " bytes of its body had come): ", why, "; fetch_timeout sets this deadline");
+        }
+        break;
+      case CURLE_PARTIAL_FILE:
+        if (head.content_length() >= 0) {
+          return Status::DataLoss("'", Url(), "' ended after ", received, " of the ", head.content_length(),
+                                  " bytes its server announced");
+        }
+        return Status::DataLoss("'", Url(), "' ended after ", received, " bytes, before its body's end: ", why);
+      case CURLE_PEER_FAILED_VERIFICATION:
+      case CURLE_SSL_CACERT_BADFILE:
+        return Status::IOError("The certificate of '", Url(), "' was not verified: ", why,
+                               "; name the authority that signed it with SSL_CERT_FILE or CURL_CA_BUNDLE");
+      default:
+        break;
+    }
+    return Status::IOError("Failed to fetch '", Url(), "': ", why);
+  }
+};
 
 }  // namespace
 
-bool ParseHttpUrl(const std::string& url, HttpUrl* out) {
-  const std::string scheme = "http://";
-  if (url.size() <= scheme.size() || Lower(url.substr(0, scheme.size())) != scheme) return false;
-  const size_t authority_end = url.find_first_of("/?#", scheme.size());
-  const std::string authority = url.substr(scheme.size(), authority_end == std::string::npos ? std::string::npos : authority_end - scheme.size());
-  if (authority.empty() || authority.find('@') != std::string::npos || authority[0] == '[') return false;  // credentials, IPv6: fsspec's
-  const size_t colon = authority.find(':');
-  out->host = authority.substr(0, colon);
-  out->port = colon == std::string::npos ? "80" : authority.substr(colon + 1);
-  if (out->host.empty() || out->port.empty() || out->port.find_first_not_of("0123456789") != std::string::npos) return false;
-  std::string target = authority_end == std::string::npos ? "/" : url.substr(authority_end);
-  const size_t fragment = target.find('#');
-  if (fragment != std::string::npos) target.erase(fragment);
-  if (target.empty() || target[0] != '/') target.insert(0, "/");
-  out->target = target;
-  return true;
-}
+// The handles of one fetch at a time, and the sockets of the connections they keep alive,
+// which libcurl opens and closes through the callbacks below.
+struct HttpFetcher::Session {
+  struct MultiCleanup {
+    void operator()(CURLM* multi) const { curl_multi_cleanup(multi); }
+  };
+  struct EasyCleanup {
+    void operator()(CURL* easy) const { curl_easy_cleanup(easy); }
+  };
 
-uint64_t HttpFetcher::connections_made() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return connections_made_;
-}
-
-FileDescriptor HttpFetcher::TakeIdle(const std::string& key) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto found = idle_.find(key);
-  if (found == idle_.end()) return FileDescriptor();
-  FileDescriptor connection = std::move(found->second);
-  idle_.erase(found);
-  return connection;
-}
-
-void HttpFetcher::PutIdle(const std::string& key, FileDescriptor connection) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  idle_.emplace(key, std::move(connection));
-}
-
-Result<FileDescriptor> HttpFetcher::Connect(const HttpUrl& url) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int rc = ::getaddrinfo(url.host.c_str(), url.port.c_str(), &hints, &found);
-  if (rc != 0) return Status::IOError("Cannot resolve '", url.host, "': ", ::gai_strerror(rc));
-  Status last = Status::IOError("No address for '", url.host, "'");
-  for (addrinfo* address = found; address != nullptr; address = address->ai_next) {
-    FileDescriptor socket_fd(::socket(address->ai_family, address->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, address->ai_protocol));
-    if (!socket_fd.valid()) {
-      last = Status::IOErrorFromErrno(errno, "Failed to open a socket");
-      continue;
-    }
-    // Non-blocking connect, waited for with poll: an unreachable server costs the timeout.
-    int connected = ::connect(socket_fd.fd(), address->ai_addr, address->ai_addrlen);
-    if (connected != 0 && errno == EINPROGRESS) {
-      pollfd wait{socket_fd.fd(), POLLOUT, 0};
-      int ready;
-      do {
-        ready = ::poll(&wait, 1, timeout_ms_);
-      } while (ready < 0 && errno == EINTR);
-      int error = ready == 0 ? ETIMEDOUT : 0;
-      socklen_t size = sizeof(error);
-      if (ready > 0) ::getsockopt(socket_fd.fd(), SOL_SOCKET, SO_ERROR, &error, &size);
-      connected = error == 0 ? 0 : -1;
-      errno = error;
-    }
-    if (connected != 0) {
-      last = Status::IOErrorFromErrno(errno, "Failed to connect to ", url.host, ":", url.port);
-      continue;
-    }
-    const int flags = ::fcntl(socket_fd.fd(), F_GETFL);
-    ::fcntl(socket_fd.fd(), F_SETFL, flags & ~O_NONBLOCK);
-    const int one = 1;
-    ::setsockopt(socket_fd.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    Status timeouts = SetTimeouts(socket_fd.fd(), timeout_ms_);
-    if (!timeouts.ok()) {
-      last = timeouts;
-      continue;
-    }
-    ::freeaddrinfo(found);
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++connections_made_;
-    return socket_fd;
-  }
-  ::freeaddrinfo(found);
-  return last;
-}
-
-// One request and its answer on one connection.
-struct HttpFetcher::Exchange {
-  int fd;
-  const HttpUrl& url;
-  const CacheItem& item;
-  int timeout_ms;
-  bool answered = false;  // some byte of the answer came: the connection was alive
-  bool reusable = false;
-
-  Status ReadFailed(int err) const {
-    if (err == EAGAIN || err == EWOULDBLOCK) {
-      return Status::IOError("No answer from ", url.host, ":", url.port, " for '", item.source, "' within ", timeout_ms / 1000, " s");
-    }
-    return Status::IOErrorFromErrno(err, "Failed to read the answer for '", item.source, "'");
+  ~Session() {
+    easy.reset();  // before the multi handle, as libcurl asks; that one closes the connections
+    multi.reset();
   }
 
-  Status Run(const std::string& partial_path, bool* fall_back) {
-    std::string request = "GET " + url.target + " HTTP/1.1\r\nHost: " + url.host;
-    if (url.port != "80") request += ":" + url.port;
-    request += "\r\nUser-Agent: fanrun\r\nAccept-Encoding: identity\r\nConnection: keep-alive\r\n\r\n";
-    for (size_t sent = 0; sent < request.size();) {
-      const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return Status::IOErrorFromErrno(errno, "Failed to send the request for '", item.source, "'");
-      sent += static_cast<size_t>(n);
-    }
-    std::string head_text;
-    std::vector<char> buffer(kBodyChunk);
-    size_t head_end = std::string::npos;
-    while (head_end == std::string::npos) {
-      const ssize_t n = ::recv(fd, buffer.data(), buffer.size(), 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return ReadFailed(errno);
-      if (n == 0) return Status::IOError("The server closed the connection before answering for '", item.source, "'");
-      answered = true;
-      head_text.append(buffer.data(), static_cast<size_t>(n));
-      head_end = head_text.find("\r\n\r\n");
-      if (head_end == std::string::npos && head_text.size() > kMaxHeaderBytes) {
-        return Status::IOError("The answer for '", item.source, "' has a head over ", kMaxHeaderBytes, " bytes");
-      }
-    }
-    Head head;
-    if (!ParseHead(head_text.substr(0, head_end + 2), &head)) {
-      return Status::IOError("The answer for '", item.source, "' is not HTTP/1.x: '", head_text.substr(0, head_text.find("\r\n")), "'");
-    }
-    std::string body = head_text.substr(head_end + 4);  // the part of the body read with the head
-    if (head.chunked || head.content_length < 0 || (head.status >= 300 && head.status < 400)) {
-      *fall_back = true;  // the connection is not reused: the rest of the answer was not read
-      return Status::OK();
-    }
-    FileDescriptor out;
-    if (head.status == 200) {
-      FANRUN_ASSIGN_OR_RETURN(out, OpenFile(partial_path, O_WRONLY | O_CREAT | O_TRUNC, 0644));
-    }
-    // The body: written out for a 200, read and dropped otherwise, so the connection can serve again.
-    uint64_t remaining = static_cast<uint64_t>(head.content_length);
-    auto take = [&](const char* data, size_t size) -> Status {
-      const size_t used = static_cast<size_t>(std::min<uint64_t>(size, remaining));
-      remaining -= used;
-      return out.valid() ? WriteToCacheFile(out.fd(), data, used, partial_path) : Status::OK();
-    };
-    FANRUN_RETURN_NOT_OK(take(body.data(), body.size()));
-    while (remaining > 0) {
-      const ssize_t n = ::recv(fd, buffer.data(), static_cast<size_t>(std::min<uint64_t>(buffer.size(), remaining)), 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return ReadFailed(errno);
-      if (n == 0) {
-        return Status::DataLoss("'", item.source, "' ended after ", static_cast<uint64_t>(head.content_length) - remaining, " of the ",
-                                head.content_length, " bytes its server announced");
-      }
-      FANRUN_RETURN_NOT_OK(take(buffer.data(), static_cast<size_t>(n)));
-    }
-    reusable = head.keep_alive;
-    if (head.status != 200) {
-      return Status::IOError("HTTP ", head.status, " ", head.reason, " for '", item.source, "'");
-    }
-    return out.Close();
+  static curl_socket_t OpenSocket(void* self, curlsocktype, curl_sockaddr* address) {
+    const int fd = ::socket(address->family, address->socktype | SOCK_CLOEXEC, address->protocol);
+    if (fd >= 0) static_cast<Session*>(self)->sockets.push_back(fd);
+    return fd >= 0 ? fd : CURL_SOCKET_BAD;
   }
+
+  static int CloseSocket(void* self, curl_socket_t fd) {
+    std::vector<int>& sockets = static_cast<Session*>(self)->sockets;
+    sockets.erase(std::remove(sockets.begin(), sockets.end(), fd), sockets.end());
+    return ::close(fd);
+  }
+
+  // Whether a connection kept alive has bytes no request asked for, or was closed. Bytes a
+  // server sent after an answer would be read as the answer to the next request on that
+  // connection (libcurl 7.88 reuses a connection with input pending): such a session is
+  // dropped, and its connections with it. (An HTTP/2 server's PING or GOAWAY on an idle
+  // connection drops it too: a new connection, nothing worse.)
+  bool HasUnaskedInput() const {
+    std::vector<pollfd> kept;
+    for (int fd : sockets) kept.push_back(pollfd{fd, POLLIN, 0});
+    return !kept.empty() && ::poll(kept.data(), kept.size(), 0) != 0;
+  }
+
+  std::vector<int> sockets;
+  std::string body_buffer;  // Transfer::unwritten
+  std::unique_ptr<CURLM, MultiCleanup> multi;
+  std::unique_ptr<CURL, EasyCleanup> easy;
 };
 
-Status HttpFetcher::Fetch(const CacheItem& item, const std::string& partial_path, bool* fall_back) {
-  *fall_back = false;
-  HttpUrl url;
-  if (!ParseHttpUrl(item.source, &url)) {
-    *fall_back = true;
-    return Status::OK();
+HttpFetcher::HttpFetcher(HttpOptions options) : options_(std::move(options)) {}
+
+HttpFetcher::~HttpFetcher() = default;
+
+bool HttpFetcher::Handles(const std::string& source) { return internal::IsHttpUrl(source); }
+
+Result<std::unique_ptr<HttpFetcher::Session>> HttpFetcher::TakeSession() {
+  while (true) {
+    std::unique_ptr<Session> session;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (idle_.empty()) break;
+      session = std::move(idle_.back());
+      idle_.pop_back();
+    }
+    if (!session->HasUnaskedInput()) return session;
   }
-  const std::string key = url.host + ":" + url.port;
-  bool answered = false;
-  bool reusable = false;
-  auto exchange = [&](int fd) {
-    Exchange one{fd, url, item, timeout_ms_};
-    Status status = one.Run(partial_path, fall_back);
-    answered = one.answered;
-    reusable = one.reusable;
-    return status;
+  const CURLcode init = GlobalInit();
+  if (init != CURLE_OK) return Status::Internal("libcurl did not start: ", curl_easy_strerror(init));
+  auto session = std::make_unique<Session>();
+  session->multi.reset(curl_multi_init());
+  session->easy.reset(curl_easy_init());
+  if (session->multi == nullptr || session->easy == nullptr) return Status::Internal("libcurl could not make a handle");
+  CURL* easy = session->easy.get();
+  CURLcode code = CURLE_OK;
+  auto set = [&](CURLoption option, auto value) {
+    if (code == CURLE_OK) code = curl_easy_setopt(easy, option, value);
   };
-  FileDescriptor connection = TakeIdle(key);
-  const bool reused = connection.valid();
-  if (!reused) {
-    FANRUN_ASSIGN_OR_RETURN(connection, Connect(url));
+  set(CURLOPT_OPENSOCKETFUNCTION, &Session::OpenSocket);
+  set(CURLOPT_OPENSOCKETDATA, session.get());
+  set(CURLOPT_CLOSESOCKETFUNCTION, &Session::CloseSocket);
+  set(CURLOPT_CLOSESOCKETDATA, session.get());
+  set(CURLOPT_NOSIGNAL, 1L);  // no SIGALRM for timeouts: threads and Python's handlers share this process
+  set(CURLOPT_PROTOCOLS_STR, "http,https");
+  set(CURLOPT_REDIR_PROTOCOLS_STR, "http,https");
+  set(CURLOPT_FOLLOWLOCATION, 1L);
+  set(CURLOPT_MAXREDIRS, kMaxRedirects);
+  set(CURLOPT_USERAGENT, "fanrun");
+  set(CURLOPT_SUPPRESS_CONNECT_HEADERS, 1L);  // a proxy's CONNECT answer is not the file's head
+  set(CURLOPT_HEADERFUNCTION, &Transfer::OnHeader);
+  set(CURLOPT_WRITEFUNCTION, &Transfer::OnBody);
+  set(CURLOPT_BUFFERSIZE, kReceiveBufferBytes);
+  set(CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);
+  set(CURLOPT_TIMEOUT_MS, static_cast<long>(options_.timeout_ms));
+  if (options_.min_rate_seconds > 0) {
+    set(CURLOPT_LOW_SPEED_LIMIT, static_cast<long>(options_.min_rate_bytes));
+    set(CURLOPT_LOW_SPEED_TIME, static_cast<long>(options_.min_rate_seconds));
   }
-  Status status = exchange(connection.fd());
-  if (reused && !answered && !status.ok()) {
-    // The server closed the connection while it was idle: one new connection, once.
-    FANRUN_ASSIGN_OR_RETURN(connection, Connect(url));
-    status = exchange(connection.fd());
+  if (!options_.ca_file.empty()) set(CURLOPT_CAINFO, options_.ca_file.c_str());
+  if (!options_.ca_dir.empty()) set(CURLOPT_CAPATH, options_.ca_dir.c_str());
+  if (code != CURLE_OK) return Status::Internal("libcurl refused an option: ", curl_easy_strerror(code));
+  return session;
+}
+
+void HttpFetcher::PutSession(std::unique_ptr<Session> session) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  idle_.push_back(std::move(session));
+}
+
+Status HttpFetcher::Fetch(const CacheItem& item, const std::string& partial_path, const Interrupt& interrupt) {
+  FANRUN_ASSIGN_OR_RETURN(const std::string url, internal::RequestUrl(item.source));
+  FANRUN_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, TakeSession());
+  CURL* easy = session->easy.get();
+  CURLM* multi = session->multi.get();
+  Transfer transfer(item, partial_path, options_, session->body_buffer);
+  CURLcode set = curl_easy_setopt(easy, CURLOPT_URL, url.c_str());
+  if (set == CURLE_OK) set = curl_easy_setopt(easy, CURLOPT_HEADERDATA, &transfer);
+  if (set == CURLE_OK) set = curl_easy_setopt(easy, CURLOPT_WRITEDATA, &transfer);
+  if (set == CURLE_OK) set = curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, transfer.error);
+  if (set != CURLE_OK) return Status::Invalid("libcurl refused '", transfer.Url(), "': ", curl_easy_strerror(set));
+  if (curl_multi_add_handle(multi, easy) != CURLM_OK) return Status::Internal("libcurl could not start a transfer");
+
+  // The transfer is driven here, not by curl_easy_perform, so that this thread wakes at least
+  // every kInterruptCheckMs to ask `interrupt`, even while the server sends nothing.
+  Status interrupted;
+  CURLcode result = CURLE_OK;
+  auto last_asked = std::chrono::steady_clock::now();
+  while (true) {
+    int running = 0;
+    CURLMcode driven = curl_multi_perform(multi, &running);
+    if (driven == CURLM_OK && running == 0) {
+      int left = 0;
+      while (CURLMsg* message = curl_multi_info_read(multi, &left)) {
+        if (message->msg == CURLMSG_DONE) result = message->data.result;
+      }
+      break;
+    }
+    if (driven == CURLM_OK) driven = curl_multi_poll(multi, nullptr, 0, kInterruptCheckMs, nullptr);
+    if (driven != CURLM_OK) {
+      interrupted = Status::Internal("libcurl failed while fetching '", transfer.Url(), "': ", curl_multi_strerror(driven));
+      break;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (interrupt && now - last_asked >= std::chrono::milliseconds(kInterruptCheckMs)) {
+      last_asked = now;
+      interrupted = interrupt();
+      if (!interrupted.ok()) break;
+    }
   }
-  if (reusable && !*fall_back) PutIdle(key, std::move(connection));
-  return status;
+  // A transfer that did not finish is abandoned here, and its connection closed.
+  (void)curl_multi_remove_handle(multi, easy);
+  (void)curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, nullptr);  // the buffer dies with this call
+  long connects = 0;
+  if (curl_easy_getinfo(easy, CURLINFO_NUM_CONNECTS, &connects) == CURLE_OK && connects > 0) {
+    connections_made_ += static_cast<uint64_t>(connects);
+  }
+  // Before the session goes back: the last of the body is still in its buffer.
+  Status outcome = interrupted.ok() ? transfer.Outcome(result) : interrupted;
+  PutSession(std::move(session));
+  return outcome;
 }
 
 }  // namespace fanrun

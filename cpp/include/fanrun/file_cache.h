@@ -29,6 +29,7 @@
 #include <sys/stat.h>
 
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -60,13 +61,20 @@ struct CacheItem {
   int64_t size = -1;   // expected bytes, verified after the fetch; -1 when unknown
 };
 
-// Writes the whole of item.source into partial_path, which the cache has just made, empty and
-// private to its owner (opening it again with O_TRUNC keeps its mode).
-// Called on the pool's threads, several at a time.
-using Fetcher = std::function<Status(const CacheItem& item, const std::string& partial_path)>;
+// Asked by a thread that fetches or waits on a caller's behalf, at least every
+// kInterruptCheckMs while it waits: a status that is not OK (the cache is closing, or the
+// caller was interrupted) makes it give up and return that status.
+using Interrupt = std::function<Status()>;
+constexpr int kInterruptCheckMs = 100;
 
-// Copies a local file: for sources on a slow mount that should be read from local disk.
-Status CopyLocalFile(const CacheItem& item, const std::string& partial_path);
+// Writes the whole of item.source into partial_path, which the cache has just made, empty and
+// private to its owner (opening it again with O_TRUNC keeps its mode), giving up when
+// `interrupt` says so. Called on the pool's threads, several at a time.
+using Fetcher = std::function<Status(const CacheItem& item, const std::string& partial_path, const Interrupt& interrupt)>;
+
+// Copies a local file: for sources on a slow mount that should be read from local disk. It
+// waits on no one, so it does not ask `interrupt`.
+Status CopyLocalFile(const CacheItem& item, const std::string& partial_path, const Interrupt& interrupt);
 
 // Writes all of data to a fetcher's partial file; a full filesystem's error says what to do.
 Status WriteToCacheFile(int fd, const char* data, size_t size, const std::string& partial_path);
@@ -85,7 +93,7 @@ struct CacheStats {
 class FileCache {
  public:
   static Result<std::unique_ptr<FileCache>> Open(CacheOptions options, Fetcher fetcher);
-  // Stops the threads and joins them; a fetch in progress is finished first.
+  // Stops the threads and joins them; a fetch in progress is given up.
   ~FileCache();
   FileCache(const FileCache&) = delete;
   FileCache& operator=(const FileCache&) = delete;
@@ -93,8 +101,9 @@ class FileCache {
   // Queues a fetch unless this process already holds or queued the file.
   Status Prefetch(const CacheItem& item);
   // Waits until the file is in the cache and returns its path; it stays in use (never
-  // evicted) until Release. A fetch that failed every attempt returns its error.
-  Result<std::string> Acquire(const CacheItem& item);
+  // evicted) until Release. A fetch that failed every attempt returns its error. With an
+  // `interrupt`, the wait (and a fetch on the caller's thread) ends when it says so.
+  Result<std::string> Acquire(const CacheItem& item, const Interrupt& interrupt = nullptr);
   // Ends this process's use of a file, whether it was acquired, prefetched or queued.
   void Release(const std::string& name);
   // Releases every file and drops queued fetches.
@@ -146,14 +155,16 @@ class FileCache {
   // Records the outcome of a fetch; called with mutex_ held.
   void Finish(const std::string& name, Result<FileDescriptor> pin);
   // Brings the file into files/ and returns a descriptor holding its shared flock.
-  Result<FileDescriptor> Materialize(const CacheItem& item);
+  Result<FileDescriptor> Materialize(const CacheItem& item, const Interrupt& caller_interrupt);
   // Opens files/<name>, takes its shared flock and judges it against its record.
   Result<Held> Inspect(const CacheItem& item) const;
   // Whether a held file still has its record's bytes; if so its record is confirmed anew.
   Result<bool> Verify(const std::string& name, const Held& held);
   // Fetches into partial/, records, moves into files/ and returns the file's pin.
-  Result<FileDescriptor> FetchOnce(const CacheItem& item, uint64_t* bytes);
+  Result<FileDescriptor> FetchOnce(const CacheItem& item, const Interrupt& interrupt, uint64_t* bytes);
   Status WriteRecord(const std::string& name, const Record& record) const;
+  // The closing cache, then the caller's interrupt, if any.
+  Status Interrupted(const Interrupt& caller) const;
   // Moves a verified fetch into files/, first evicting least recently used files not in
   // use until `bytes` more fit under the limit.
   Status Commit(const std::string& name, uint64_t bytes);
@@ -170,7 +181,7 @@ class FileCache {
   std::condition_variable entry_done_;
   std::deque<std::string> queue_;
   std::map<std::string, Entry> entries_;
-  bool stopping_ = false;
+  std::atomic<bool> stopping_{false};  // set under mutex_, read without it by fetches in flight
   CacheStats stats_;
 
   std::mutex usage_mutex_;  // flock does not exclude threads sharing one descriptor

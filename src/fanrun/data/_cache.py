@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import re
 
@@ -74,12 +75,43 @@ def check_cache_limit(limit: int, readers: int, files_held: int, largest_file: i
 
 
 def native_http_allowed(storage_options: dict) -> bool:
-    """Whether the engine may fetch http:// sources itself. Not when fsspec has a say the engine
-    would ignore: storage options (headers, authentication, client settings), or a proxy in
-    the environment (what aiohttp's trust_env would follow)."""
-    if storage_options:
-        return False
-    return not any(os.environ.get(name) for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"))
+    """Whether the engine may fetch http(s):// sources itself: not when fsspec has a say the
+    engine would ignore, storage options (headers, authentication, client settings). A proxy
+    in the environment is no reason: libcurl follows http_proxy, https_proxy, all_proxy and
+    no_proxy itself."""
+    return not storage_options
+
+
+def is_http_url(source: str) -> bool:
+    return source.lower().startswith(("http://", "https://"))
+
+
+def engine_http_options(fetch_timeout: float | None, min_fetch_rate: tuple[int, float] | None) -> dict:
+    """The engine's HTTP limits, as _core.FileCache takes them, and the certificate
+    authorities it trusts for https: the file named by CURL_CA_BUNDLE or else SSL_CERT_FILE,
+    the directory named by SSL_CERT_DIR; the system's where none is set."""
+    if fetch_timeout is not None and (isinstance(fetch_timeout, bool) or not isinstance(fetch_timeout, (int, float))
+                                      or not fetch_timeout > 0):
+        raise ValueError(f"fetch_timeout must be a number of seconds above 0, or None for no deadline, not {fetch_timeout!r}")
+    rate, seconds = (0, 0.0) if min_fetch_rate is None else _rate(min_fetch_rate)
+    return {
+        "fetch_timeout_s": float(fetch_timeout or 0.0),
+        "min_rate_bytes": rate,
+        "min_rate_seconds": math.ceil(seconds),  # libcurl counts whole seconds
+        "ca_file": os.environ.get("CURL_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE") or "",
+        "ca_dir": os.environ.get("SSL_CERT_DIR") or "",
+    }
+
+
+def _rate(value) -> tuple[int, float]:
+    try:
+        rate, seconds = value
+    except (TypeError, ValueError):
+        rate = seconds = None
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1 or isinstance(seconds, bool) \
+            or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"min_fetch_rate must be (bytes per second, seconds), such as (1024, 60), or None, not {value!r}")
+    return rate, float(seconds)
 
 
 class FsspecFetch:

@@ -17,8 +17,8 @@ import torch.utils.data
 from .. import _core
 from .._errors import DataFileError, FanrunError
 from . import _split
-from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, native_http_allowed, open_cache_dir,
-                     parse_byte_size)
+from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, engine_http_options, is_http_url,
+                     native_http_allowed, open_cache_dir, parse_byte_size)
 from ._dataset_source import SourceFile, shared_listing
 from ._first_batches import FirstBatchTurns, Turn
 
@@ -62,6 +62,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         MB: as many as 16 MiB holds, at least one). 0: none.
     retries: attempts per file after the first; skip_unreadable: leave out files that
         still fail, counted in `skipped_files`, instead of raising DataFileError.
+    fetch_timeout, min_fetch_rate: limits of each attempt at an http(s):// file: seconds in all
+        (None: no deadline), and (bytes per second, seconds): slower than that for that long
+        fails (None: no minimum). A fetch that fails them is an attempt that failed.
     """
 
     def __init__(
@@ -81,6 +84,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         retries: int = 2,
         skip_unreadable: bool = False,
         storage_options: dict | None = None,
+        fetch_timeout: float | None = 3600.0,
+        min_fetch_rate: tuple[int, float] | None = (1024, 60.0),
     ) -> None:
         super().__init__()
         if prefetch < 0 or cache_threads < 1 or retries < 0:
@@ -102,6 +107,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self.retries = retries
         self.skip_unreadable = skip_unreadable
         self.storage_options = dict(storage_options or {})
+        self._http_options = engine_http_options(fetch_timeout, min_fetch_rate)
         cache_dir_fd = open_cache_dir(self.cache_dir)  # refused here, before any work, if not the caller's alone
         try:
             self._files: list[SourceFile] = shared_listing(source, pattern, self.storage_options, self.cache_dir,
@@ -111,8 +117,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self._cached = [self._is_cached(f) for f in self._files]
         self._native_http = native_http_allowed(self.storage_options)
         remote = next((f.source for f in self._files if not f.local), None)
-        # The engine fetches http:// itself: only other sources need fsspec in the workers.
-        if remote is not None and not (self._native_http and remote.startswith("http://")):
+        # The engine fetches http(s):// itself: only other sources need fsspec in the workers.
+        if remote is not None and not (self._native_http and is_http_url(remote)):
             _import_filesystem(remote)
         self.skipped_files: list[str] = []
         self._epoch = 0
@@ -270,7 +276,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
             checksums = {f.source: f.md5 for f in self._files if f.md5 is not None}
             fetch = FsspecFetch(self.storage_options, checksums) if remote else None
             self._cache = _core.FileCache(self.cache_dir, self.cache_limit, self.cache_threads, self.retries + 1, fetch,
-                                          native_http=remote and self._native_http)
+                                          native_http=remote and self._native_http, **self._http_options)
             self._cache_pid = os.getpid()
             atexit.register(_close_cache, weakref.ref(self._cache))
         return self._cache

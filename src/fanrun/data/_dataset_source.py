@@ -30,6 +30,7 @@ from ._cache import CACHE_DIR_REMEDY
 
 # A listing file older than this belongs to a finished run.
 _STALE_LISTING_S = 24 * 3600
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class SourceFile(NamedTuple):
@@ -134,9 +135,22 @@ def _list_filesystem(fs, root: str, url: str, pattern: str | None) -> list[Sourc
             continue
         relative = path[len(prefix) :] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
         if matches(relative):
-            url = path if full_urls and "://" in path else fs.unstrip_protocol(path)
-            found.append(SourceFile(url, _size(info), False, listed_md5(info, protocols) if has_checksums else None))
+            file_url = path if full_urls and "://" in path else fs.unstrip_protocol(path)
+            if full_urls:
+                _check_listed_url(file_url, url)
+            found.append(SourceFile(file_url, _size(info), False, listed_md5(info, protocols) if has_checksums else None))
     return found
+
+
+def _check_listed_url(url: str, root: str) -> None:
+    """An entry of an HTTP listing, which the server wrote: a control character in it (a CR or
+    LF would end the request's line and add headers of the server's choosing) is refused."""
+    found = _CONTROL_CHARACTER.search(url)
+    if found is not None:
+        raise DataSourceError(
+            f"The listing of '{root}' has an entry with a control character ({found.group()!r}) in its URL: {url!r}. "
+            "fanrun does not fetch such a URL: rename the file on the server, or choose the files with `pattern`"
+        )
 
 
 def _size(info: dict) -> int:
