@@ -99,13 +99,15 @@ def environment(**values: str | None) -> Iterator[None]:
 
 def measure(ranks: int, steps: int, warmup: int, tracking: bool, logging: str, async_logging: str | None, gpu: bool) -> tuple[float, int | None]:
     """Steps/s of the slowest rank, and how many loss points reached the run (None untracked)."""
-    from fanrun import distributed
+    from fanrun import distributed, flush_tracking
 
     # The run's link and the ranks' output go to stderr: stdout holds the report alone.
     with environment(MLFLOW_ENABLE_ASYNC_LOGGING=async_logging), contextlib.redirect_stdout(sys.stderr):
         # Without --gpu, CPU processes with gloo on any machine, GPUs or not.
         launch = distributed(num_accelerators=ranks, accelerator_type=None if gpu else "CPU", tracking=tracking)
         results = launch(train).distributed(steps, warmup, logging, gpu)
+        # The run is closed, its last values written, moments after the call returns.
+        flush_tracking()
     points = None
     if tracking and logging == "every step":
         import mlflow

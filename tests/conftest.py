@@ -1,5 +1,6 @@
 """Shared fixtures: a private runs directory for the session, and proof after every test
-that no process of any run it started is left."""
+that no process of any run it started is left (but the session's one tracking agent, which
+lives as long as its caller and is stopped, and proved gone, when the session ends)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ os.environ["FANRUN_TRACKING"] = "0"
 # fanrun's default MLflow store lives under $XDG_DATA_HOME: the tests' own, never the user's.
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="fanrun-test-data-")
 
+import fanrun._agent_connection  # noqa: E402
 import fanrun._launcher  # noqa: E402
 
 # The tests that read a call's exact output run in this process, in any order: the line a
@@ -39,5 +41,13 @@ def runs_dir() -> Path:
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
     yield
-    left = processes_of_runs_under(_RUNS) + tracking_agents_of(os.getpid())
+    agent = fanrun._agent_connection.agent_pid()
+    left = processes_of_runs_under(_RUNS) + [found for found in tracking_agents_of(os.getpid()) if found[0] != agent]
     assert not left, f"processes of fanrun runs are still alive after the test: {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tracking_agent_stopped_at_the_end():
+    yield
+    fanrun._agent_connection.shutdown(wait_s=60)
+    assert tracking_agents_of(os.getpid()) == []

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from nginx_server import NginxServer
 
-from fanrun import RankFailedError, distributed
+from fanrun import RankFailedError, distributed, flush_tracking
 
 pytest.importorskip("aiohttp")
 
@@ -154,6 +154,7 @@ def test_the_loader_logs_its_stalled_fraction_to_the_call_run(served, tmp_path, 
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", name)
 
     read_epochs.distributed(served.url + "/dir0/", str(tmp_path / "cache"), 1)
+    flush_tracking()  # the ranks' last values are written as the run is closed, just after the call
 
     (run,) = client.search_runs([experiment_id])
     for rank in range(2):

@@ -1,5 +1,6 @@
-"""The ranks' metrics travel to the caller over real sockets: MetricSender in the rank,
-MetricRelay in the caller, which writes them to the store in batches."""
+"""The ranks' metrics travel to the tracking agent over real sockets: MetricSender in the rank,
+MetricRelay in the agent, which writes them to the store in batches; the socket itself travels
+from the caller to the agent over their control channel."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import runpy
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fanrun import _metric_relay
+from fanrun import _agent_channel, _metric_relay
 from fanrun._metric_relay import MetricRelay
 
 SENDER = Path(_metric_relay.__file__).with_name("_rank_metric_sender.py")
@@ -188,3 +191,54 @@ def test_every_rank_gets_the_answer_once_whether_it_connects_before_or_after_it_
     assert relay.stop(5.0)
     assert store.values() == [record("loss", 1.0, 0)]
     early.close()
+
+
+AGENT_SERVING_ONE_CALL = """
+import json, os, socket, sys
+from fanrun._agent_channel import receive
+from fanrun._metric_relay import MetricRelay
+
+control = socket.socket(fileno=int(sys.argv[1]))
+message, fds = receive(control)
+received = []
+relay = MetricRelay(received.extend, socket.socket(fileno=fds[0]))
+relay.start()
+relay.publish({"run_id": message["call"]["id"]})
+print(json.dumps({"close_on_exec": not os.get_inheritable(fds[0]), "call": message["call"]}), flush=True)
+finish, _ = receive(control)
+relay.stop(5.0)
+print(json.dumps({"finish": finish, "values": [list(r) for r in received]}), flush=True)
+"""
+
+
+def test_a_calls_socket_handed_over_the_control_channel_is_served_where_it_arrives():
+    """The caller makes a call's socket before the ranks start and hands it to the agent, a
+    process already running, beside the call's message (SCM_RIGHTS): a rank that connects to the
+    path it was given reaches the relay there, gets its answer and delivers its values; the
+    descriptor arrives close-on-exec, so nothing the agent starts holds it."""
+    caller_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    agent = subprocess.Popen([sys.executable, "-c", AGENT_SERVING_ONE_CALL, str(agent_end.fileno())],
+                             pass_fds=(agent_end.fileno(),), stdout=subprocess.PIPE, text=True)
+    agent_end.close()
+    call_socket = _metric_relay.RelaySocket()
+    try:
+        _agent_channel.send(caller_end, {"call": {"id": 7}}, (call_socket.listener.fileno(),))
+        call_socket.listener.close()  # the caller keeps only the path: the agent's copy serves
+        first = json.loads(agent.stdout.readline())
+        assert first == {"close_on_exec": True, "call": {"id": 7}}
+        rank = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        rank.connect(call_socket.path)
+        rank.settimeout(10)
+        assert json.loads(rank.recv(1 << 16)) == {"run_id": 7}
+        _MetricSender(rank, 0.0).add([record("loss", 0.5, 3)])
+        rank.close()
+        _agent_channel.send(caller_end, {"finish": {"id": 7}})
+        assert json.loads(agent.stdout.readline()) == {"finish": {"finish": {"id": 7}}, "values": [list(record("loss", 0.5, 3))]}
+        assert agent.wait(30) == 0
+    finally:
+        caller_end.close()
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(30)
+        agent.stdout.close()
+        call_socket.close()

@@ -15,5 +15,6 @@ from ._errors import RunTimeoutError as RunTimeoutError
 from ._errors import UnsafePathError as UnsafePathError
 from ._errors import WorkingDirectoryError as WorkingDirectoryError
 from ._torch_distributor import TorchDistributor as TorchDistributor
+from ._tracking import flush_tracking as flush_tracking
 
 __version__ = "0.1.0"

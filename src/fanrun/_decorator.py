@@ -121,6 +121,7 @@ def distributed(
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:
         if not callable(fn):
             raise TypeError(f"@distributed decorates a function, not a {type(fn).__name__}")
+        _tracking.start_agent_early(options)
         return DistributedFunction(fn, options)
 
     return decorate

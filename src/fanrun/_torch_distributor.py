@@ -7,14 +7,13 @@ Databricks, a function calls mlflow.start_run() itself)."""
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import os
 import warnings
 from typing import Any, Callable
 
 from . import _accelerators, _launcher
-from ._decorator import DEFAULT_TIMEOUT, distributed
+from ._decorator import DEFAULT_TIMEOUT, DistributedFunction, Options
 from ._errors import AcceleratorMismatchError
 
 
@@ -50,9 +49,9 @@ class TorchDistributor:
         if not callable(train_object):
             raise TypeError(f"train_object must be a function or the path of a .py file, not {type(train_object).__name__}")
         self._check_gpus()
-        function = distributed(num_accelerators=self.num_processes, accelerator_type=accelerator)(train_object)
-        function._options = dataclasses.replace(function._options, leave_mlflow_alone=True)
-        return function.distributed(*args, **kwargs)[0]
+        options = Options(num_accelerators=self.num_processes, accelerator=_accelerators.parse_accelerator_type(accelerator),
+                          timeout=DEFAULT_TIMEOUT, leave_mlflow_alone=True)
+        return DistributedFunction(train_object, options).distributed(*args, **kwargs)[0]
 
     def _run_file(self, path: str, args: tuple, kwargs: dict) -> None:
         if kwargs:

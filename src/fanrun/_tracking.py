@@ -2,56 +2,50 @@
 rank whose function imports mlflow, ended with the call's outcome; parameters, rank logs and
 system metrics logged on it.
 
-This is the caller's half. The MLflow work itself is done by a process of its own, started with
-the call (_tracking_agent.py says why), so that importing mlflow and opening the store happen
-beside the caller's own work and the ranks' start, not before them, and the caller's process
-never imports mlflow. The ranks learn the run through a socket the caller makes before they
-start, and only when their function imports mlflow (_rank_tracking.py): a function that never
-does never waits for the run. A run_id= to resume is checked before any rank starts, as a
-mistake there must stop the call.
+This is the caller's half. The MLflow work itself is done by the process's tracking agent
+(_agent_connection.py, _tracking_agent.py), so that importing mlflow and opening the store
+happen once per process, beside the caller's own work and the ranks' start, and the caller's
+process never imports mlflow. The ranks learn the run through a socket the caller makes before
+they start and hands to the agent, and only when their function imports mlflow
+(_rank_tracking.py): a function that never does never waits for the run.
 
-The caller and the agent exchange one JSON message at a time over a socket pair:
-  caller -> agent  {"call": {...}}                the call to track, at once
-  agent -> caller  {"opened": {run}} | {"off": problem} | {"not_found": message}
-  caller -> agent  {"finish": {status, tags, run_dir, world_size}}   when the ranks have ended
-  agent -> caller  {"closed": {"warnings": [...]}}                      then the agent exits
+A call waits for the agent only where it must: a run_id= to resume is checked before any rank
+starts (a mistake there must stop the call), and a call that succeeded returns once its run
+exists, so that its line is shown and the run can be read. It never waits for the run to be
+closed: the agent closes it in the background, and a failing call raises at once.
+flush_tracking() waits for the closes, and so does the caller's exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
-import html
 import importlib.util
-import json
+import numbers
 import os
 import secrets
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from . import _agent_connection
 from . import _rank_tracking as rank_half
 from . import _tracking_store
 from ._accelerators import Plan
+from ._agent_channel import AGENT_START_S, FINISH_DEADLINE_S, START_DEADLINE_S
 from ._errors import RunTimeoutError
 from ._metric_relay import RelaySocket
 from ._paths import RunPaths
+from ._run_links import TrackedRun, announce, in_jupyter_kernel
 
-# Bounds on the agent's MLflow calls: a stalled server costs this much, never a hang.
-START_DEADLINE_S = 20.0
-FINISH_DEADLINE_S = 60.0
-# On top of those: the agent's own start (an interpreter, fanrun and mlflow imported) on a busy machine.
-AGENT_START_S = 60.0
 # MLflow refuses longer tag values (5000 characters on some stores).
 MAX_TAG_CHARS = 4000
-# Larger than any message between the caller and the agent (a call's description, an outcome).
-MAX_MESSAGE = 1 << 20
+# How long the caller's exit waits for an idle agent to end once its channel is closed.
+AGENT_EXIT_WAIT_S = 5.0
 _OFF_VALUES = {"0", "false", "no", "off"}
 _notice_lock = threading.Lock()
 _notices_shown: set[str] = set()
@@ -72,29 +66,26 @@ class TrackedCall:
         self.paths = paths
 
 
-@dataclasses.dataclass
-class _Run:
-    client: Any  # the agent's MlflowClient; None in the caller
-    run_id: str
-    run_name: str
-    experiment_id: str
-    experiment_name: str
-    tracking_uri: str
-    first_system_step: int
-    registry_uri: str = ""
-    # A `fanrun ui` server showing this run's local store, when one answered at the start.
-    ui_url: str | None = None
-
-
 def enabled(tracking: bool) -> bool:
     """tracking=True unless FANRUN_TRACKING=0 turns tracking off for the whole process."""
     return tracking and os.environ.get("FANRUN_TRACKING", "1").strip().lower() not in _OFF_VALUES
 
 
+def start_agent_early(options: Any) -> None:
+    """In a Jupyter kernel, the agent starts when a tracked function is defined: the first call
+    then finds mlflow imported. A script starts it with its first call, as it may make none."""
+    if options.leave_mlflow_alone or not enabled(options.tracking) or not in_jupyter_kernel() or not _mlflow_installed():
+        return
+    try:
+        _agent_connection.connection()
+    except OSError:
+        pass  # the first call tries again, and says why it could not
+
+
 @contextlib.contextmanager
 def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: Any) -> Iterator[TrackedCall]:
-    """Starts the call's MLflow run (or not), yields what the ranks need, and ends the run with
-    the call's outcome: FINISHED, KILLED (interrupt, timeout) or FAILED (anything else)."""
+    """Starts the call's MLflow run (or not), yields what the ranks need, and hands the agent the
+    call's outcome: FINISHED, KILLED (interrupt, timeout) or FAILED (anything else)."""
     if options.leave_mlflow_alone:
         yield TrackedCall()
         return
@@ -113,7 +104,8 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
         )
         yield call
         return
-    run = _AgentRun(function_name, plan, options, gpu_indices)
+    show_warnings()  # what the agent had to say about earlier calls' runs
+    run = _CallRun(function_name, plan, options, gpu_indices)
     try:
         run.start()
     except OSError as error:  # UnsafePathError included
@@ -121,27 +113,31 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
               f"runs on every rank; what it logs with mlflow is dropped.")
         yield call
         return
-    if options.run_id is not None:
-        run.wait_opened()  # a run_id that names no run raises here, before any rank starts
-    call.rank_env = run.rank_environment()
     try:
+        if options.run_id is not None:
+            run.wait_opened()  # a run_id that names no run raises here, before any rank starts
+        call.rank_env = run.rank_environment()
         yield call
     except BaseException as error:
-        run.finish(call.paths, plan.world_size, error)
+        run.end(call.paths, plan.world_size, error)
         raise
-    run.finish(call.paths, plan.world_size, None)
+    run.end(call.paths, plan.world_size, None)
 
 
-class _AgentRun:
-    """The caller's end of one call's run: it decides where the run goes, starts the agent,
-    announces the run (or warns) when the agent answers, and sends the call's outcome."""
+class _CallRun:
+    """The caller's end of one call's run: it decides where the run goes, hands the call to the
+    agent, announces the run (or warns) when the agent answers, and sends the call's outcome."""
 
     def __init__(self, function_name: str, plan: Plan, options: Any, gpu_indices: list[int]) -> None:
         self.function_name = function_name
-        self.run: _Run | None = None
-        self._warning_at = _user_frame()
+        self.run: TrackedRun | None = None
+        # Where this call's warnings point: the user's line, from whichever thread they are shown.
+        self.warning_at = _user_frame()
         self._raised: Warning | None = None  # a TrackingWarning the user's filters made an error
         self._not_found: str | None = None
+        self._answered = threading.Event()
+        self._lock = threading.Lock()
+        self._ended = False
         # What only this thread can see: MLflow keeps the active run per thread.
         mlflow = sys.modules.get("mlflow")
         active = mlflow.active_run() if mlflow is not None else None
@@ -169,31 +165,12 @@ class _AgentRun:
             os.environ["MLFLOW_TRACKING_URI"] = store.uri
         self.socket = RelaySocket()
         try:
-            self._control, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            with agent_end:
-                log = os.open(self.agent_log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    self._agent = subprocess.Popen(
-                        [sys.executable, "-c", _agent_code(), str(agent_end.fileno()), str(self.socket.listener.fileno())],
-                        pass_fds=(agent_end.fileno(), self.socket.listener.fileno()),
-                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                        # Out of the terminal's process group: Ctrl+C stops the call, and the
-                        # agent then closes the run as KILLED.
-                        start_new_session=True,
-                    )
-                finally:
-                    os.close(log)
-            send(self._control, {"call": self._call})
+            self._agent = _agent_connection.connection()
+            self._id = self._agent.open_call(self._call, self.socket.listener.fileno(), self)
         except BaseException:
             self.socket.close()
             raise
-        self.socket.listener.close()  # the agent serves it; the caller keeps only the folder
-        self._listener = threading.Thread(target=self._hear_opened, name="fanrun-mlflow", daemon=True)
-        self._listener.start()
-
-    @property
-    def agent_log(self) -> str:
-        return os.path.join(self.socket.folder, "agent.log")
+        self.socket.listener.close()  # the agent serves its copy; the caller keeps only the folder
 
     def rank_environment(self) -> dict[str, str]:
         env = {
@@ -209,104 +186,111 @@ class _AgentRun:
         return env
 
     def wait_opened(self) -> None:
-        try:
-            self._listener.join()
-            if self._not_found is not None:
-                raise ValueError(self._not_found)
-        except BaseException:
-            self._end_agent()
-            self.socket.close()
-            raise
+        """Before any rank starts: the run to resume exists, or the call stops here."""
+        if not self._answered.wait(AGENT_START_S + START_DEADLINE_S):
+            self._warn_off(f"no answer from the process that tracks it within {AGENT_START_S + START_DEADLINE_S:g} s")
+        if self._not_found is not None:
+            raise ValueError(self._not_found)  # the agent has ended the call already
 
-    def _hear_opened(self) -> None:
-        """The agent's first answer, in a thread of the caller: the run's line (or link) appears
+    def answered(self, kind: str, body: dict) -> None:
+        """The agent's answer, in the connection's reader thread: the run's line (or link) appears
         as soon as the run exists, while the ranks run."""
-        try:
-            self._control.settimeout(AGENT_START_S + START_DEADLINE_S)
-            answer = receive(self._control)
-        except (OSError, ValueError) as error:
-            answer = {"off": f"no answer from the process that tracks it ({describe(error)})"}
-        if answer is None:
-            answer = {"off": f"the process that tracks it ended early{self._agent_log_tail()}"}
-        if "opened" in answer:
-            self.run = _Run(client=None, first_system_step=0, **answer["opened"])
-            _announce(self.run)
-        elif "not_found" in answer:
-            self._not_found = answer["not_found"]
-        else:
-            self._warn(
-                f"fanrun: MLflow tracking is off for this call of {self.function_name!r}: {answer['off']}. The function "
-                f"still runs on every rank; what it logs with mlflow is dropped. Check the tracking server, "
-                f"or pass tracking=False to @distributed to run without it."
-            )
-
-    def finish(self, paths: RunPaths | None, world_size: int, error: BaseException | None) -> None:
-        status, tags = outcome(error)
-        closed = None
-        try:
-            send(self._control, {"finish": {
-                "status": status, "tags": tags, "world_size": world_size,
-                "run_dir": str(paths.directory) if paths is not None else None,
-            }})
-            self._listener.join()
-            self._control.settimeout(AGENT_START_S + START_DEADLINE_S + 2 * FINISH_DEADLINE_S)
-            closed = receive(self._control)
-        except (OSError, ValueError):
-            pass
-        finally:
-            self._end_agent()
-        if self.run is not None:
-            if closed is None:
-                _warn(f"fanrun: the MLflow run {self.run.run_name} ({self.run.run_id}) may not be closed as {status}: the "
-                      f"process that tracks it did not finish{self._agent_log_tail()}; the call's outcome is unchanged.")
+        with self._lock:
+            if kind == "opened":
+                self.run = TrackedRun(client=None, first_system_step=0, **{k: v for k, v in body.items() if k != "id"})
+                if not self._ended:
+                    announce(self.run)
+            elif kind == "not_found":
+                self._not_found = body["message"]
             else:
-                for message in closed["closed"]["warnings"]:
-                    _warn(message)
+                self._warn_off(body["problem"])
+            self._answered.set()
+
+    def end(self, paths: RunPaths | None, world_size: int, error: BaseException | None) -> None:
+        """Hands the agent the outcome. A failed call returns at once; a call that succeeded
+        waits, within START_DEADLINE_S, for its run to exist, never for it to be closed."""
+        status, tags = outcome(error)
+        self._agent.finish_call(self._id, {
+            "status": status, "tags": tags, "world_size": world_size,
+            "run_dir": str(paths.directory) if paths is not None else None,
+        })
+        # Every rank has ended: none will connect to the socket again.
         self.socket.close()
+        try:
+            if error is None and not self._answered.wait(START_DEADLINE_S):
+                self._warn(f"fanrun: the MLflow run of this call of {self.function_name!r} was not made within "
+                           f"{START_DEADLINE_S:g} s of the call's end; if the tracking store makes it later, it is "
+                           f"closed as {status}. The call's outcome is unchanged.")
+        finally:
+            with self._lock:
+                self._ended = True
         if self._raised is not None and error is None:
             raise self._raised
 
-    def _end_agent(self) -> None:
-        """The agent exits once it has answered; one that does not (stuck in a store) is killed."""
-        self._control.close()
-        try:
-            self._agent.wait(FINISH_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            self._agent.kill()
-            self._agent.wait()
-
-    def _agent_log_tail(self) -> str:
-        try:
-            with open(self.agent_log, errors="replace") as log:
-                lines = log.read().strip().splitlines()[-15:]
-        except OSError:
-            return ""
-        return (":\n" + "\n".join("    " + line for line in lines)) if lines else ""
+    def _warn_off(self, problem: str) -> None:
+        self._warn(f"fanrun: MLflow tracking is off for this call of {self.function_name!r}: {problem}. The function "
+                   f"still runs on every rank; what it logs with mlflow is dropped. Check the tracking server, "
+                   f"or pass tracking=False to @distributed to run without it.")
 
     def _warn(self, message: str) -> None:
-        """At the user's line that called .distributed(), from whichever thread; where the user's
-        filters turn it into an error, the call raises it at its end."""
+        """At the user's line that made the call, from whichever thread; where the user's filters
+        turn it into an error, the call raises it at its end."""
+        if self._ended:
+            # The call has returned or raised: shown at the next call, or at exit.
+            _agent_connection.add_warning(message, self.warning_at)
+            return
         try:
-            warnings.warn_explicit(message, TrackingWarning, *self._warning_at)
+            warnings.warn_explicit(message, TrackingWarning, *self.warning_at)
         except Warning as raised:
             self._raised = raised
 
 
-def _agent_code() -> str:
-    """The agent's -c program: with the caller's sys.path, as a rank has it, so that it imports the
-    same fanrun and mlflow as the caller."""
-    return f"import sys; sys.path[:] = {sys.path!r}; from fanrun._tracking_agent import main; main()"
+def flush_tracking(timeout: float | None = 60.0) -> None:
+    """Waits until the MLflow run of every call this process has made is closed.
+
+    A call returns as soon as its ranks have ended (and, if it succeeded, its run exists); its run
+    is closed moments later in the background, with its final metrics, the ranks' logs and its
+    status. Call this before reading a run's final state right after a call. A call still running
+    in another thread is not waited for. Raises TimeoutError if a run is still being closed after
+    `timeout` seconds (None: no limit)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0):
+        raise ValueError(f"timeout must be a number of seconds (0 or more) or None, not {timeout!r}")
+    agent = _agent_connection.current()
+    left = agent.wait_closed(timeout) if agent is not None else 0
+    show_warnings()
+    if left:
+        raise TimeoutError(f"fanrun: {left} MLflow run(s) still being closed after {timeout:g} s; they are closed "
+                           f"in the background, or at the latest when this process exits")
 
 
-def send(channel: socket.socket, message: dict) -> None:
-    """One message to the agent, or from it: a JSON object in one packet."""
-    channel.send(json.dumps(message).encode())
+def show_warnings() -> None:
+    """The warnings of earlier calls' runs, each at the user's line that made the call."""
+    pending = _agent_connection.take_warnings()
+    for index, (message, where) in enumerate(pending):
+        try:
+            warnings.warn_explicit(message, TrackingWarning, *where)
+        except Warning:  # the user's filters made it an error
+            _agent_connection.give_back_warnings(pending[index + 1 :])
+            raise
 
 
-def receive(channel: socket.socket) -> dict | None:
-    """The next message, or None once the other end has closed."""
-    data = channel.recv(MAX_MESSAGE)
-    return json.loads(data) if data else None
+def _at_exit() -> None:
+    """A script's runs are closed when it ends: its exit waits for the agent, within a bound."""
+    agent = _agent_connection.current()
+    if agent is None:
+        return
+    left = agent.wait_closed(FINISH_DEADLINE_S)
+    if left:
+        print(f"fanrun: {left} MLflow run(s) still being closed after {FINISH_DEADLINE_S:g} s at exit; the process "
+              f"that tracks them finishes them alone.", file=sys.stderr, flush=True)
+    try:
+        show_warnings()
+    except Warning as raised:  # filters that make warnings errors: nobody is left to catch it
+        print(f"{type(raised).__name__}: {raised}", file=sys.stderr, flush=True)
+    _agent_connection.shutdown(0 if left else AGENT_EXIT_WAIT_S)
+
+
+atexit.register(_at_exit)
 
 
 def _mlflow_installed() -> bool:
@@ -363,78 +347,6 @@ def outcome(error: BaseException | None) -> tuple[str, dict[str, str]]:
     return "FAILED", tags
 
 
-# ---------------------------------------------------------------- where the run is shown
-
-
-def run_url(run: _Run) -> str | None:
-    """The run's page in a UI: the tracking server's own (it serves at the tracking URI), or a
-    `fanrun ui` server showing the local store."""
-    if run.tracking_uri.startswith(("http://", "https://")):
-        base = masked(run.tracking_uri)
-    elif run.ui_url is not None:
-        base = run.ui_url
-    else:
-        return None
-    return f"{base.rstrip('/')}/#/experiments/{run.experiment_id}/runs/{run.run_id}"
-
-
-def link_text(run: _Run) -> str:
-    where = run_url(run)
-    if where is None:
-        uri = masked(run.tracking_uri)
-        if _tracking_store.is_default_store(run.tracking_uri):
-            where = "run `fanrun ui` to open it"
-        elif _tracking_store.is_local(run.tracking_uri):
-            where = f"run `fanrun ui --backend-store-uri {uri}` to open it"
-        else:
-            where = f"tracking URI {uri}"
-    return f"fanrun: MLflow run {run.run_name} ({run.run_id}) in experiment {run.experiment_name}: {where}"
-
-
-def masked(uri: str) -> str:
-    """The URI without a password, for printing: a database or server URI may carry one."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = f"{parts.username}:***@" + parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def link_html(run: _Run) -> str | None:
-    url = run_url(run)
-    if url is None:
-        return None
-    return (
-        f"fanrun: MLflow run <a href=\"{html.escape(url, quote=True)}\" target=\"_blank\" rel=\"noopener\">"
-        f"{html.escape(run.run_name)}</a> ({html.escape(run.run_id)}) in experiment "
-        f"{html.escape(run.experiment_name)}"
-    )
-
-
-def _announce(run: _Run) -> None:
-    markup = link_html(run)
-    if markup is not None and _in_jupyter_kernel():
-        try:
-            from IPython.display import HTML, display
-
-            display(HTML(markup))
-            return
-        except Exception:
-            pass  # a front end that cannot show HTML still gets the line below
-    # One write: the line comes from a thread while rank output is being written.
-    sys.stdout.write(link_text(run) + "\n")
-    sys.stdout.flush()
-
-
-def _in_jupyter_kernel() -> bool:
-    # Only where IPython is already loaded: a plain script never pays for importing it.
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    shell = ipython.get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
 # ---------------------------------------------------------------- notices and warnings
 
 
@@ -454,12 +366,6 @@ def _notice_once(key: str, text: str) -> None:
             return
         _notices_shown.add(key)
     print(text, file=sys.stderr, flush=True)
-
-
-def describe(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def _user_frame() -> tuple:

@@ -1,365 +1,132 @@
-"""The process that does a tracked call's MLflow work, started by the caller with the call.
+"""The process that does a caller's MLflow work: one per caller process, started with its first
+tracked call (_agent_connection.py) and serving every call after it.
 
 Importing mlflow and opening a store cost about two seconds of CPU, most of it Python. In a
-thread of the caller that time would be taken turn about with the caller's own Python work
-(the rendezvous store imports torch before the ranks start), since both need the GIL; in a
-process of its own it runs beside the caller and the ranks, on another core, and leaves the
-caller's process as it was: no mlflow imported there, no MLflow log lines or tqdm warnings in
-a notebook's cell, no interpreter teardown of it at exit.
+thread of the caller that time would be taken turn about with the caller's own Python work,
+since both need the GIL; in a process of its own it runs beside the caller and the ranks, on
+another core, and leaves the caller's process as it was: no mlflow imported there, no MLflow log
+lines or tqdm warnings in a notebook's cell. Kept for the caller's life, it is paid once: a later
+call's run is made in milliseconds, and its close is done while the caller goes on.
 
-The agent creates (or resumes) the run, tells the ranks through the socket the caller made for
-them before they started (_metric_relay.py), writes what they log and the machine's system
-metrics, and closes the run with the outcome the caller sends. It talks to the caller over a
-socket pair, one JSON message at a time (see _tracking.py), and its stderr goes to a private
-file, which the caller shows only if the agent fails. It ends when the caller does: at the
-end of the call, or, if the caller dies, when its end of the socket pair closes (the run is
-then closed as KILLED).
+Each call is a CallRun (_tracked_run.py) in a thread of its own. The main thread only reads the
+caller's messages (_agent_channel.py), and watches the caller: when its channel closes or the
+caller's process ends (a pidfd: a forked child that inherited the channel does not count), every
+call without an outcome is closed as KILLED, every close under way is given until
+EXIT_DEADLINE_S, and the agent exits. Its stderr goes to a file the caller reads only if it fails.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import tempfile
+import selectors
 import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-from . import _tracking_store
-from ._metric_relay import MetricRelay
-from ._paths import rank_log
-from ._system_metrics import SystemMetricsSampler, sampling_interval
-from ._tracking import FINISH_DEADLINE_S, START_DEADLINE_S, _Run, describe, masked, receive, send
+from ._agent_channel import FINISH_DEADLINE_S, receive, send
+from ._tracked_run import CALLER_ENDED, CallRun
 
-# A tracking server that does not answer /health in this time is taken as unreachable.
-PROBE_TIMEOUT_S = 3.0
-# How long the end of a run waits for a system-metrics sample still in flight.
-SAMPLER_JOIN_S = 5.0
+# Once the caller is gone, how long the agent may still take to close what it has.
+EXIT_DEADLINE_S = FINISH_DEADLINE_S
 
 
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
-    listener = socket.socket(fileno=int(sys.argv[2]))
-    message = receive(control)
-    if message is None:
+    caller = int(sys.argv[2])
+    try:
+        caller_ended: int | None = os.pidfd_open(caller)
+    except ProcessLookupError:
         os._exit(0)
-    call = message["call"]
-    # What MLflow records as the run's source, and where it looks for a git commit.
-    sys.argv = [call["argv0"]]
-    _Agent(call, control, listener).serve()
-    # The teardown of an interpreter that imported mlflow takes a few tenths of a second,
-    # which the caller would wait for: the work is done and sent, so it ends here.
+    except OSError:  # a kernel older than 5.3: the channel's end alone says the caller is gone
+        caller_ended = None
+    if os.getppid() != caller:  # the caller died before it could be watched: its pid may be another's
+        os._exit(0)
+    # Imported while the caller's first call is described and sent (or, in Jupyter, before any
+    # call): the first run is then made as soon as it can be.
+    threading.Thread(target=_import_mlflow, name="fanrun-import-mlflow", daemon=True).start()
+    _Agent(control).serve(caller_ended)
+    # The teardown of an interpreter that imported mlflow takes a few tenths of a second, and
+    # nothing is left to do: the work is done and sent.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
+def _import_mlflow() -> None:
+    try:
+        import mlflow  # noqa: F401
+        from mlflow import MlflowClient  # noqa: F401
+    except Exception:
+        pass  # the first call's own import says why
+
+
 class _Agent:
-    def __init__(self, call: dict, control: socket.socket, listener: socket.socket) -> None:
-        self.call = call
+    def __init__(self, control: socket.socket) -> None:
         self.control = control
-        self.run: _Run | None = None
-        self.relay = MetricRelay(self.write_metrics, listener)
-        self.sampler: SystemMetricsSampler | None = None
-        self.warnings: list[str] = []
+        self.calls: dict[int, CallRun] = {}
+        self._send_lock = threading.Lock()
 
-    def serve(self) -> None:
-        self.relay.start()
-        self.open()
-        try:
-            message = receive(self.control)
-        except OSError:
-            message = None
-        if message is None:  # the caller is gone, and its ranks with it
-            outcome = {"status": "KILLED", "tags": {"fanrun.stop_reason": "caller ended"}, "run_dir": None, "world_size": 0}
-        else:
-            outcome = message["finish"]
-        self.finish(outcome)
-        try:
-            send(self.control, {"closed": {"warnings": self.warnings}})
-        except OSError:
-            pass
-
-    def open(self) -> None:
-        call = self.call
-        problem = None
-        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-        try:
-            self.run = _within(START_DEADLINE_S, self._create)
-        except _RunNotFound as error:
-            self.relay.publish({"run_id": None})
-            send(self.control, {"not_found": str(error)})
-            return
-        except _StoreDown as error:
-            problem = f"the tracking server {masked(uri)} {error}"
-        except TimeoutError as error:
-            problem = f"the tracking store {masked(uri) or '(MLflow default)'} gave {error}"
-        except Exception as error:
-            problem = f"the tracking store {masked(uri) or '(MLflow default)'} failed ({describe(error)})"
-        if problem is not None:
-            self.relay.publish({"run_id": None})
-            send(self.control, {"off": problem})
-            return
-        run = self.run
-        self.relay.publish({"run_id": run.run_id, "env": _rank_variables(run)})
-        self.sampler = SystemMetricsSampler(
-            _metrics_logger(run), call["gpu_indices"], sampling_interval(), first_step=run.first_system_step
-        )
-        self.sampler.start()
-        send(self.control, {"opened": {
-            "run_id": run.run_id, "run_name": run.run_name, "experiment_id": run.experiment_id,
-            "experiment_name": run.experiment_name, "tracking_uri": run.tracking_uri, "ui_url": run.ui_url,
-        }})
-
-    def _create(self) -> _Run:
-        import mlflow
-
-        call = self.call
-        store = None
-        if call["store_dir"] is not None:
-            store = _tracking_store.LocalStore(Path(call["store_dir"]))
-            store.create()
-        uri = mlflow.get_tracking_uri()
-        try:
-            registry_uri = mlflow.get_registry_uri() or ""
-        except Exception:
-            registry_uri = ""
-        _probe(uri)
-        run = _open_run(uri, call, store)
-        run.registry_uri = registry_uri
-        if _tracking_store.is_local(uri):
-            run.ui_url = _tracking_store.ui_address(uri)
-        return run
-
-    def write_metrics(self, records: list[tuple]) -> None:
-        """The relay's writer: the ranks' values, which arrive only once the run exists."""
-        from mlflow.entities import Metric
-
-        metrics = []
-        for key, value, timestamp, step, model_id, dataset_name, dataset_digest in records:
-            # Only what was set: older MLflow versions know neither models nor datasets here.
-            extra = {name: v for name, v in (("model_id", model_id), ("dataset_name", dataset_name), ("dataset_digest", dataset_digest)) if v is not None}
-            metrics.append(Metric(key, value, timestamp, step, **extra))
-        self.run.client.log_batch(self.run.run_id, metrics=metrics)
-
-    def finish(self, outcome: dict) -> None:
-        relay, run, sampler = self.relay, self.run, self.sampler
-        if run is None:
-            relay.stop(FINISH_DEADLINE_S)
-            return
-        status = outcome["status"]
-        final_sample = sampler.sample if sampler.stop(SAMPLER_JOIN_S) else None
-        # Every rank has ended: the last values they logged go on the run before it is closed.
-        if not relay.stop(FINISH_DEADLINE_S):
-            self.warnings.append(f"fanrun: the tracking store {masked(run.tracking_uri)} did not take the ranks' last "
-                                 f"metrics within {FINISH_DEADLINE_S:g} s; the run is closed without them.")
-        elif relay.error is not None:
-            self.warnings.append(f"fanrun: {relay.dropped} metric values logged by the ranks could not be written to the "
-                                 f"MLflow run {run.run_name} ({describe(relay.error)}); the call's outcome is unchanged.")
-        run_dir = Path(outcome["run_dir"]) if outcome["run_dir"] else None
-        try:
-            _within(FINISH_DEADLINE_S, _close_run, run, final_sample, run_dir, outcome["world_size"], status, outcome["tags"])
-        except Exception as failure:
-            self.warnings.append(
-                f"fanrun: the MLflow run {run.run_name} ({run.run_id}) could not be closed as {status} in "
-                f"{masked(run.tracking_uri)} ({describe(failure)}); the call's outcome is unchanged."
-            )
-            return
-        if sampler.error is not None:
-            self.warnings.append(f"fanrun: system metrics stopped early on the MLflow run {run.run_name} "
-                                 f"({describe(sampler.error)}); the call's outcome is unchanged.")
-
-
-def _rank_variables(run: _Run) -> dict[str, str]:
-    """MLflow's own variables, set in a rank when its function imports mlflow, so that a plain
-    mlflow.log_metric there lands on the run."""
-    env = {
-        "MLFLOW_TRACKING_URI": run.tracking_uri,
-        "MLFLOW_RUN_ID": run.run_id,
-        "MLFLOW_EXPERIMENT_ID": run.experiment_id,
-        "MLFLOW_EXPERIMENT_NAME": run.experiment_name,
-    }
-    # The caller's registry URI, as MLflow's own set_registry_uri passes it on: without it, every
-    # log_metric call in a rank tries to import pyspark to look for one. The user's to override.
-    if "MLFLOW_REGISTRY_URI" not in os.environ and run.registry_uri:
-        env["MLFLOW_REGISTRY_URI"] = run.registry_uri
-    return env
-
-
-def _open_run(uri: str, call: dict, store: _tracking_store.LocalStore | None) -> _Run:
-    from mlflow import MlflowClient
-    from mlflow.entities import Param
-    from mlflow.exceptions import MlflowException
-
-    client = MlflowClient(uri)
-    resume = call["run_id"]
-    if resume is not None:
-        try:
-            run = client.get_run(resume)
-        except MlflowException as error:
-            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
-                raise _RunNotFound(
-                    f"run_id={resume!r} names no MLflow run in {masked(uri)}; pass the id of an existing "
-                    f"run to resume it, or leave run_id unset to start a new run"
-                ) from None
-            raise
-        if run.info.lifecycle_stage == "deleted":
-            raise _RunNotFound(f"run_id={resume!r} names a deleted MLflow run in {masked(uri)}; restore it first")
-        client.update_run(run.info.run_id, status="RUNNING")
-        first_step = _next_system_step(client, run.info.run_id)
-    else:
-        parent_id = call["parent_id"]
-        experiment_id = _experiment_id(client, call["experiment_name"], parent_id, store)
-        tags = {"mlflow.parentRunId": parent_id} if parent_id else {}
-        try:
-            from mlflow.tracking.context.registry import resolve_tags
-
-            # The source, user and git commit that mlflow.start_run() would record.
-            tags = resolve_tags(tags)
-        except Exception:
-            pass
-        # Started when the call was, though created while its ranks started.
-        run = client.create_run(experiment_id, start_time=call["started_ms"], run_name=call["run_name"], tags=tags)
-        first_step = 0
-    existing = run.data.params
-    # Parameters cannot change on a resumed run: keep what it already has.
-    new = [Param(key, value) for key, value in call["params"].items() if key not in existing]
-    if new:
-        client.log_batch(run.info.run_id, params=new)
-    experiment = client.get_experiment(run.info.experiment_id)
-    return _Run(
-        client=client,
-        run_id=run.info.run_id,
-        run_name=run.info.run_name,
-        experiment_id=run.info.experiment_id,
-        experiment_name=experiment.name,
-        tracking_uri=uri,
-        first_system_step=first_step,
-    )
-
-
-def _experiment_id(client, experiment_name: str | None, parent_id: str | None, store: _tracking_store.LocalStore | None) -> str:
-    if experiment_name is None and parent_id is None and store is not None:
-        # In fanrun's store, an experiment named by MLFLOW_EXPERIMENT_NAME is made here too, so
-        # that its artifacts go beside the store, not into the working directory.
-        experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
-    if experiment_name is not None:
-        experiment = client.get_experiment_by_name(experiment_name)
-        if experiment is None:
-            location = None
-            if store is not None:
-                location = (store.artifacts / re.sub(r"[^A-Za-z0-9_.-]", "_", experiment_name)).as_uri()
-            return client.create_experiment(experiment_name, artifact_location=location)
-        if experiment.lifecycle_stage == "deleted":
-            raise RuntimeError(f"experiment {experiment_name!r} is deleted; restore it or choose another name")
-        return experiment.experiment_id
-    if parent_id is not None:
-        # A child lives beside its parent, where the UI shows them nested.
-        return client.get_run(parent_id).info.experiment_id
-    # Where mlflow.start_run() would put a run: mlflow.set_experiment() (its MLFLOW_EXPERIMENT_ID),
-    # MLFLOW_EXPERIMENT_NAME, a Databricks notebook's own experiment, else the default one.
-    from mlflow.tracking.fluent import _get_experiment_id
-
-    return _get_experiment_id()
-
-
-def _next_system_step(client, run_id: str) -> int:
-    """A resumed run's system metrics go on from the step after its last one, as MLflow's monitor does."""
-    history = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
-    return max((m.step for m in history), default=-1) + 1
-
-
-def _metrics_logger(run: _Run) -> Callable[[dict[str, float], int], None]:
-    from mlflow.entities import Metric
-
-    def log(metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        batch = [Metric(key, value, now, step) for key, value in metrics.items()]
-        if batch:
-            run.client.log_batch(run.run_id, metrics=batch)
-
-    return log
-
-
-def _close_run(
-    run: _Run, final_sample: Callable[[], None] | None, run_dir: Path | None, world_size: int, status: str, tags: dict[str, str]
-) -> None:
-    if final_sample is not None:
-        final_sample()
-    if run_dir is not None:
-        _upload_logs(run, run_dir, world_size)
-    for key, value in tags.items():
-        run.client.set_tag(run.run_id, key, value)
-    # Last, so that a run shown as ended has everything on it.
-    run.client.set_terminated(run.run_id, status)
-
-
-def _upload_logs(run: _Run, run_dir: Path, world_size: int) -> None:
-    """Every rank's full log as logs/rank_N.txt, linked (or copied) into a private folder of that layout."""
-    staging = Path(tempfile.mkdtemp(prefix="fanrun-logs-"))  # 0700
-    try:
-        for rank in range(world_size):
-            source, target = rank_log(run_dir, rank), staging / f"rank_{rank}.txt"
-            if not source.exists():
-                continue
+    def serve(self, caller_ended: int | None) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.control, selectors.EVENT_READ)
+        if caller_ended is not None:
+            selector.register(caller_ended, selectors.EVENT_READ)
+        while True:
+            ready = {key.fileobj for key, _ in selector.select()}
+            if caller_ended is not None and caller_ended in ready:
+                break
             try:
-                os.link(source, target)
-            except OSError:
-                shutil.copyfile(source, target)
-        run.client.log_artifacts(run.run_id, str(staging), artifact_path="logs")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+                message, fds = receive(self.control)
+            except (OSError, ValueError):
+                break
+            if message is None:
+                break
+            self.handle(message, fds)
+        self.caller_gone()
 
-
-def _probe(uri: str) -> None:
-    """Fails fast where an HTTP tracking server is down or broken, before MLflow's own retries
-    (minutes of back-off) would. Any answer below 500 counts as up: auth is MLflow's to handle."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S):
+    def handle(self, message: dict, fds: list[int]) -> None:
+        kind, body = next(iter(message.items()))
+        self.calls = {call_id: run for call_id, run in self.calls.items() if run.thread.is_alive()}
+        if kind == "call" and len(fds) == 1:
+            _follow_caller(body.pop("env"), body.pop("cwd"), body["argv0"])
+            run = CallRun(body, socket.socket(fileno=fds[0]), self.reply)
+            self.calls[run.id] = run
+            run.start()
             return
-    except urllib.error.HTTPError as error:
-        if error.code >= 500:
-            raise _StoreDown(f"answers with errors (HTTP {error.code} {error.reason} for /health)") from None
-    except (urllib.error.URLError, OSError) as error:
-        raise _StoreDown(f"cannot be reached ({getattr(error, 'reason', error)})") from None
+        for fd in fds:  # none expected with any other message
+            os.close(fd)
+        if kind == "finish" and body["id"] in self.calls:
+            self.calls[body["id"]].end(body)
+
+    def reply(self, message: dict) -> None:
+        """From any call's thread; the caller may be gone, and then nobody needs the answer."""
+        with self._send_lock:
+            try:
+                send(self.control, message)
+            except OSError:
+                pass
+
+    def caller_gone(self) -> None:
+        deadline = time.monotonic() + EXIT_DEADLINE_S
+        for run in self.calls.values():
+            run.end(CALLER_ENDED)
+        for run in self.calls.values():
+            run.thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _within(seconds: float, fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) in a helper thread, waited for at most `seconds`: a tracking call that hangs
-    is left behind, and the call goes on without tracking."""
-    outcome_box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome_box["value"] = fn(*args)
-        except BaseException as error:
-            outcome_box["error"] = error
-
-    thread = threading.Thread(target=target, name="fanrun-mlflow", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise TimeoutError(f"no answer within {seconds:g} s")
-    if "error" in outcome_box:
-        raise outcome_box["error"]
-    return outcome_box.get("value")
-
-
-class _RunNotFound(Exception):
-    """run_id= names no run: the caller's mistake, raised before anything starts."""
-
-
-class _StoreDown(Exception):
-    """The tracking server is down or answers with server errors."""
+def _follow_caller(env: dict, cwd: str, argv0: str) -> None:
+    """The caller's environment, working directory and program as of this call: where MLflow looks
+    for its configuration, resolves a relative store and finds the run's source. (Shared by every
+    call in the agent: calls of one process that run at once see the latest call's.)"""
+    for name in env["unset"]:
+        os.environ.pop(name, None)
+    os.environ.update(env["set"])
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass  # a folder removed since: MLflow's relative defaults resolve where the agent is
+    sys.argv = [argv0]
 
 
 if __name__ == "__main__":
