@@ -29,6 +29,8 @@ from pathlib import Path
 
 # "fanrun" is the launcher alone (tracking=False), which the peers are compared with; "tracked"
 # is fanrun as users get it by default, every call an MLflow run (where mlflow is installed).
+# The warm-up's tracked call starts the process's tracking agent, which the timed calls share,
+# as a script's or a notebook's later calls do (benchmarks/tracking_cost.py times a first call).
 FANRUN = ("fanrun", "tracked")
 PEERS = ("mp.spawn", "torchrun", "notebook_launcher")
 LAUNCHERS = (*FANRUN, *PEERS)
@@ -38,6 +40,8 @@ NOISE = 0.05  # a ratio up to 1 + NOISE still counts as "no slower"
 FAILURE_GOAL_S = 0.5
 # What tracking may add to a call: 5 % or this much, whichever is larger.
 TRACKING_GOAL_S = 0.2
+# What tracking may add to the failure latency: a failing call waits for nothing of MLflow.
+TRACKING_FAILURE_GOAL_S = 0.05
 # Long enough that only the launcher stopping them ends the ranks that did not fail.
 SLEEP_S = 30.0
 # A call still running after this long is hung: its processes are killed and it counts as an
@@ -244,6 +248,14 @@ def started_processes(marker: bytes) -> dict[int, str]:
     return {pid: commands[pid] for pid in started - {me}}
 
 
+def lasting_processes() -> set[int]:
+    """Processes that live as long as this one by design, not leftovers of a measurement: fanrun's
+    tracking agent, started by the first tracked call and serving every later one."""
+    agent_connection = sys.modules.get("fanrun._agent_connection")
+    pid = agent_connection.agent_pid() if agent_connection is not None else None
+    return {pid} if pid is not None else set()
+
+
 def descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
     while pid in parents:
         pid = parents[pid]
@@ -333,7 +345,7 @@ class Session:
         kill(self.leftovers())
 
     def leftovers(self) -> set[int]:
-        return set(started_processes(self.marker)) - self.baseline
+        return set(started_processes(self.marker)) - self.baseline - lasting_processes()
 
     @contextlib.contextmanager
     def output_to_log(self, label: str) -> Iterator[None]:
@@ -546,10 +558,12 @@ def goals(launch: dict, failure: dict, ranks: list[int], failure_ranks: list[int
     latencies = {n: failure[n, "fanrun"].median for n in failure_ranks}
     goal = f"failure latency (median) under {FAILURE_GOAL_S} s"
     lines.append(verdict(goal, latencies, lambda s: s < FAILURE_GOAL_S, lambda s: f"{s:.3f} s"))
-    for what, cells, numbers in (("launch wall time", launch, ranks), ("failure latency", failure, failure_ranks)):
-        costs = {n: tracking_cost(cells, n) for n in numbers}
-        goal = f"{what} with tracking (the default) within {NOISE:.0%} or {TRACKING_GOAL_S} s of without, for every N"
-        lines.append(verdict(goal, costs, lambda c: c[0] <= max(NOISE * c[1], TRACKING_GOAL_S), lambda c: f"{c[0]:+.3f} s"))
+    costs = {n: tracking_cost(launch, n) for n in ranks}
+    goal = f"launch wall time with tracking (the default) within {NOISE:.0%} or {TRACKING_GOAL_S} s of without, for every N"
+    lines.append(verdict(goal, costs, lambda c: c[0] <= max(NOISE * c[1], TRACKING_GOAL_S), lambda c: f"{c[0]:+.3f} s"))
+    costs = {n: tracking_cost(failure, n) for n in failure_ranks}
+    goal = f"failure latency with tracking (the default) within {TRACKING_FAILURE_GOAL_S} s of without, for every N"
+    lines.append(verdict(goal, costs, lambda c: c[0] <= TRACKING_FAILURE_GOAL_S, lambda c: f"{c[0]:+.3f} s"))
     return "\n".join(lines)
 
 

@@ -26,12 +26,14 @@ SMOKE_RUNS = {
     "gpu_checks.py": ([], ["== DDP demo", "== rank 1 raises mid-training: RuntimeError",
                            "is SIGKILLed mid-training: RankFailedError", "hangs, rank 0 waits in gloo (timeout=10 s): TimeoutError"]),
     "launch.py": ([], ["Launch wall time", "tracked/fanrun", "fanrun/mp.spawn", "fanrun/torchrun", "fanrun/notebook_launcher",
-                       "Failure latency", "Goals", "launch wall time with tracking (the default) within 5% or 0.2 s of without", "Leftover processes:\n  none"]),
+                       "Failure latency", "Goals", "launch wall time with tracking (the default) within 5% or 0.2 s of without",
+                       "failure latency with tracking (the default) within 0.05 s of without", "Leftover processes:\n  none"]),
     "loader_transfer.py": ([], ["bytes/batch", "CPU ratio", "1048576"]),
     "read_through.py": (["--dir", "{tmp}"], ["cat x2:", "whole x2:", "read_through x2:"]),
     "results.py": ([], ["cost of returning s", "torch.save+load s", "Goal: returning costs at most 1.5x"]),
     "throughput.py": ([], ["fanrun/torchrun", "ddp ", "fsdp "]),
     "tracking.py": ([], ["| mode |", "log_metric every step (fanrun's default)", "vs off"]),
+    "tracking_cost.py": ([], ["| ranks sleep s | call | on | off | on - off | goal |", "| first call |", "| calls 2-2 |", "| whole script |"]),
 }
 # gpu_session.sh drives the GPU machine itself; test_gpu_session_steps_exist checks it.
 NOT_PYTHON = {"gpu_session.sh"}

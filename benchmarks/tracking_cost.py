@@ -1,0 +1,129 @@
+"""Benchmark: what MLflow tracking, fanrun's default, adds to a whole .distributed() call made from a
+script: the first call of a process and the later ones, for ranks that return at once and ranks
+that sleep, tracking on and off alternating, each script a new process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from importlib import metadata
+from pathlib import Path
+
+# What tracking may add to a call: 5 % or this much, whichever is larger.
+GOAL_S = 0.2
+GOAL_SHARE = 0.05
+SCRIPT_TIMEOUT_S = 600.0
+
+# A user's script: `calls` calls in a row, each timed alone; what it prints is the report's input.
+CALLER = textwrap.dedent(
+    """
+    import json, sys, time
+    from fanrun import distributed
+
+    tracking, seconds, calls = sys.argv[1] == "on", float(sys.argv[2]), int(sys.argv[3])
+
+    @distributed(num_accelerators=2, tracking=tracking)
+    def work(seconds):
+        import time
+        time.sleep(seconds)  # what a GPU rank mostly does: wait on its device, not on the CPU
+        return 1
+
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        assert work.distributed(seconds) == [1, 1]
+        times.append(time.perf_counter() - started)
+    print("times", json.dumps(times), flush=True)
+    """
+)
+
+
+def run_script(mode: str, seconds: float, calls: int, env: dict, workdir: Path) -> tuple[list[float], float]:
+    """Each call's seconds, and the whole script's (interpreter start to exit)."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", CALLER, mode, str(seconds), str(calls)], capture_output=True,
+                          text=True, env=env, cwd=workdir, timeout=SCRIPT_TIMEOUT_S)
+    whole = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"the {mode} script failed with {done.returncode}:\n{done.stderr[-3000:]}")
+    line = next(line for line in done.stdout.splitlines() if line.startswith("times "))
+    return json.loads(line.split(" ", 1)[1]), whole
+
+
+def measure(seconds: float, calls: int, repeat: int, env: dict, workdir: Path) -> dict[str, dict[str, list[float]]]:
+    """mode -> {"first": [...], "later": [...], "script": [...]}: on and off take turns, so that
+    drift in the machine's load lands on both."""
+    samples = {mode: {"first": [], "later": [], "script": []} for mode in ("on", "off")}
+    for index in range(repeat):
+        for mode in samples:
+            times, whole = run_script(mode, seconds, calls, env, workdir)
+            samples[mode]["first"].append(times[0])
+            samples[mode]["later"] += times[1:]
+            samples[mode]["script"].append(whole)
+            later = f", later {statistics.median(times[1:]):.3f} s" if times[1:] else ""
+            print(f"  sleep {seconds:g} s, {mode} #{index + 1}: first {times[0]:.3f} s{later}, script {whole:.3f} s",
+                  file=sys.stderr, flush=True)
+    return samples
+
+
+def rows(seconds: float, calls: int, samples: dict) -> list[str]:
+    lines = []
+    for what, label in (("first", "first call"), ("later", f"calls 2-{calls}"), ("script", "whole script")):
+        on, off = samples["on"][what], samples["off"][what]
+        if not on or not off:
+            continue
+        median_on, median_off = statistics.median(on), statistics.median(off)
+        added = median_on - median_off
+        verdict = "within" if added <= max(GOAL_SHARE * median_off, GOAL_S) else "OVER"
+        goal = verdict if what != "script" else f"({verdict})"
+        lines.append(f"| {seconds:g} | {label} | {median_on:.3f} | {median_off:.3f} | {added:+.3f} | {goal} |")
+    return lines
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sleeps", type=float, nargs="+", default=[0.0, 5.0], help="seconds each rank sleeps")
+    parser.add_argument("--calls", type=int, default=5, help="calls per script")
+    parser.add_argument("--repeat", type=int, default=5, help="scripts per mode and sleep")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs (its figures mean nothing)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.sleeps, args.calls, args.repeat = [0.0], 2, 1
+    load = os.getloadavg()
+    print(f"Machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, "
+          f"fanrun {package_version('fanrun')}, mlflow {package_version('mlflow')}; load average before: {load[0]:.2f}")
+    with tempfile.TemporaryDirectory(prefix="fanrun-tracking-cost-") as scratch:
+        # fanrun's default store, in the scratch directory: what a user gets with MLflow unconfigured.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "FANRUN_TRACKING"}
+        env["XDG_DATA_HOME"] = str(Path(scratch) / "data")
+        workdir = Path(scratch) / "work"
+        workdir.mkdir()
+        run_script("on", 0.0, 1, env, workdir)  # the store's creation, once: not what each call costs
+        results = {seconds: measure(seconds, args.calls, args.repeat, env, workdir) for seconds in args.sleeps}
+    later = f" (calls 2-{args.calls}: median of every such call)" if args.calls > 1 else ""
+    print(f"\nSeconds, median of {args.repeat} scripts per mode{later}, tracking on and off alternating; "
+          f"goal: on within {GOAL_SHARE:.0%} or {GOAL_S} s of off")
+    print("| ranks sleep s | call | on | off | on - off | goal |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for seconds, samples in results.items():
+        print("\n".join(rows(seconds, args.calls, samples)))
+    print(f"Load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
