@@ -14,9 +14,13 @@ namespace fanrun {
 namespace {
 
 constexpr size_t kReadChunk = 64 * 1024;
-// The messages a rank sends on its control channel, one a line.
+// The messages a rank sends on its control channel, one a line; "log <n>" is followed by n
+// bytes for the rank's log alone: the traceback of its failure, which the caller shows with
+// its exception, so that it is not shown twice.
 constexpr std::string_view kFailedMessage = "failed";
 constexpr std::string_view kDoneMessage = "done";
+constexpr std::string_view kLogMessage = "log ";
+constexpr size_t kLongestLogText = 4 << 20;
 // A year bounds every period: beyond it the clock arithmetic would overflow.
 constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
 
@@ -143,14 +147,18 @@ void Supervisor::ShowHeldOutput(Clock::time_point now, std::vector<Event>& event
   }
 }
 
-void Supervisor::DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
-  // The rank has exited, so all it wrote is in the pipe: read to the end, but do not
-  // wait for processes it left behind that still hold the pipe.
+void Supervisor::PumpAvailable(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
   while (stream.fd.valid()) {
     pollfd p{stream.fd.fd(), POLLIN, 0};
     if (::poll(&p, 1, 0) <= 0) break;
     PumpStream(rank, stream, number, events);
   }
+}
+
+void Supervisor::DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
+  // The rank has exited, so all it wrote is in the pipe: read to the end, but do not
+  // wait for processes it left behind that still hold the pipe.
+  PumpAvailable(rank, stream, number, events);
   if (stream.fd.valid()) {
     auto emit = [&](SegmentKind kind, std::string_view text) {
       events.push_back(Event{EventKind::kOutput, static_cast<int>(rank), number, kind, std::string(text), {}});
@@ -173,6 +181,26 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
   size_t newline;
   while ((newline = r.control_buffer.find('\n')) != std::string::npos) {
     const std::string message = r.control_buffer.substr(0, newline);
+    if (message.compare(0, kLogMessage.size(), kLogMessage) == 0) {
+      const std::string digits = message.substr(kLogMessage.size());
+      const bool valid = !digits.empty() && digits.size() <= 8 &&
+                         digits.find_first_not_of("0123456789") == std::string::npos &&
+                         std::stoul(digits) <= kLongestLogText;
+      if (!valid) {  // not one of fanrun's messages: dropped, like any unknown line
+        r.control_buffer.erase(0, newline + 1);
+        continue;
+      }
+      const size_t length = std::stoul(digits);
+      if (r.control_buffer.size() < newline + 1 + length) break;  // the rest is on its way
+      // What the rank wrote before it is in its pipes already: logged first, to keep the order.
+      PumpAvailable(rank, *r.out, 1, events);
+      PumpAvailable(rank, *r.err, 2, events);
+      if (r.log.valid()) {
+        FANRUN_WARN_NOT_OK(WriteAll(r.log.fd(), r.control_buffer.data() + newline + 1, length), "writing a rank's log");
+      }
+      r.control_buffer.erase(0, newline + 1 + length);
+      continue;
+    }
     r.control_buffer.erase(0, newline + 1);
     if (message == kFailedMessage) {
       events.push_back(Event{EventKind::kRankFailed, static_cast<int>(rank), 0, SegmentKind::kLine, {}, {}});

@@ -95,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + signal.Signals[error.signal_name]  # as a shell reports a command killed by a signal
         return error.exit_code if isinstance(error.exit_code, int) and error.exit_code > 0 else 1
     except Exception as error:
-        # A rank's own exception (its traceback is in the rank's output above), or bad input.
-        origin = "a rank failed: " if isinstance(error.__cause__, RemoteTraceback) else ""
+        # A rank's own exception, shown here once with its traceback, or bad input.
+        remote = error.__cause__ if isinstance(error.__cause__, RemoteTraceback) else None
+        if remote is not None:
+            print(str(remote).strip(), file=sys.stderr)
+        origin = "a rank failed: " if remote is not None else ""
         print(f"fanrun: {origin}{type(error).__name__}: {error}", file=sys.stderr)
         for note in getattr(error, "__notes__", []):
             print(note, file=sys.stderr)

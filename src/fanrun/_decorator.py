@@ -9,7 +9,7 @@ import numbers
 import warnings
 from typing import Any, Callable, Generic, TypeVar
 
-from . import _accelerators, _launcher, _payload, _tracking
+from . import _accelerators, _errors, _launcher, _payload, _tracking
 from ._accelerators import AcceleratorRequest
 
 DEFAULT_TIMEOUT = 3 * 60 * 60  # seconds
@@ -43,6 +43,16 @@ class DistributedFunction(Generic[R]):
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
         """Runs the function once per rank with these arguments; returns every rank's value, in rank order."""
+        __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
+        try:
+            return self._run(args, kwargs)
+        except BaseException as error:
+            if not _errors.raised_for_the_caller(error):
+                raise
+            # Shown from the caller's own line: fanrun's frames in between say nothing to them.
+            raise error.with_traceback(None)  # noqa: B904 (the cause, a rank's traceback, stays)
+
+    def _run(self, args: tuple, kwargs: dict) -> list[R]:
         options = self._options
         inventory = _accelerators.detect()
         plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory)

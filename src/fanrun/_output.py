@@ -27,7 +27,8 @@ class OutputMux:
         self._capturing: dict[int, list[str]] | None = None
 
     def capture_stderr(self) -> dict[int, list[str]]:
-        """From now on, also keep every stderr line per rank (the stacks dumped at a timeout)."""
+        """From now on, keep every stderr line per rank instead of showing it (the stacks dumped
+        at a timeout, which the timeout's exception shows once)."""
         self._capturing = collections.defaultdict(list)
         return self._capturing
 
@@ -46,11 +47,13 @@ class OutputMux:
             view.partial(key, visible(text), visible(held + text), now)
             return
         line = held + text
+        if stream_number == 2 and self._capturing is not None:
+            self._capturing[rank].append(line)
+            self.stderr_tails[rank].append(line)
+            return
         view.line(key, visible(line), visible(text), now)
         if stream_number == 2:
             self.stderr_tails[rank].append(line)
-            if self._capturing is not None:
-                self._capturing[rank].append(line)
 
     def seconds_to_redraw(self) -> float:
         """How long the engine may wait before a live display is due a redraw; -1: no limit."""

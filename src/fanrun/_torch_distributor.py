@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any, Callable
 
-from . import _accelerators, _launcher
+from . import _accelerators, _errors, _launcher
 from ._decorator import DEFAULT_TIMEOUT, distributed
 from ._errors import AcceleratorMismatchError
 
@@ -44,6 +44,15 @@ class TorchDistributor:
 
     def run(self, train_object: Callable | str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         """Rank 0's return value for a function; None for a file."""
+        __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
+        try:
+            return self._run(train_object, args, kwargs)
+        except BaseException as error:
+            if not _errors.raised_for_the_caller(error):
+                raise
+            raise error.with_traceback(None)  # noqa: B904 (the cause, a rank's traceback, stays)
+
+    def _run(self, train_object: Callable | str | os.PathLike, args: tuple, kwargs: dict) -> Any:
         accelerator = None if self.use_gpu else _accelerators.AcceleratorType.CPU
         if isinstance(train_object, (str, os.PathLike)):
             return self._run_file(os.fspath(train_object), args, kwargs)

@@ -208,12 +208,13 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
         "exception": _pickle_exception(error),
     }
     try:
-        if kind != "result":
-            # The traceback goes to the log too, as an uncaught exception's would.
-            sys.stderr.write(envelope["traceback"])
-        sys.stderr.flush()
+        sys.stderr.flush()  # before the traceback, in the log and on screen
     except Exception:
         pass  # stderr closed or replaced by the function: the error file below still carries it all
+    if kind != "result":
+        # The traceback goes to the log, as an uncaught exception's would; the caller shows it
+        # once, with the exception it raises, so it is not printed on the screen here.
+        _log_only(envelope["traceback"])
     path = run_dir / f"rank_{rank}.error"
     tmp = path.with_name(path.name + ".tmp")
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as out:
@@ -225,18 +226,36 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
     sys.exit(_exit_status)
 
 
+def _log_only(text: str) -> None:
+    data = text.encode("utf-8", "replace")
+    if not os.environ.get("FANRUN_CONTROL_FD"):
+        try:
+            sys.stderr.write(text)  # no engine to hand it to: the screen is the log
+            sys.stderr.flush()
+        except Exception:
+            pass
+        return
+    _tell_engine(b"log %d\n" % len(data) + data)
+
+
 def _tell_engine(message: bytes) -> None:
     control_fd = os.environ.get("FANRUN_CONTROL_FD")
     if control_fd:
         try:
-            os.write(int(control_fd), message)
+            view = memoryview(message)
+            while view:
+                view = view[os.write(int(control_fd), view):]
         except OSError:
             pass
 
 
 def _skip_worker_frames(tb):
-    """The worker's own frames are noise in the user's traceback."""
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    """The worker's own frames, and runpy's that run a script or module, are noise in the
+    user's traceback."""
+    import runpy
+
+    own = {__file__, runpy.__file__, "<frozen runpy>"}
+    while tb is not None and tb.tb_frame.f_code.co_filename in own:
         tb = tb.tb_next
     return tb
 

@@ -40,7 +40,8 @@ struct SupervisorOptions {
   double show_held_after_s = 0.15;
   // Give each rank a pipe at fd 3 on which it reports "failed\n" the moment it has
   // written its error, before its (possibly slow) interpreter shutdown, and "done\n" once
-  // it has written its result.
+  // it has written its result. "log <n>\n" and n bytes go to the rank's log alone, after
+  // what its pipes hold: the traceback of its failure, which the caller shows itself.
   bool control_channel = true;
   // A rank that exits with code 0 without having reported "done" has failed: it ended
   // without returning (os._exit(0) in a function), and its siblings are stopped at once.
@@ -123,6 +124,8 @@ class Supervisor {
 
   // Reads once from a ready output stream; on end of stream finishes and closes it.
   void PumpStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
+  // Reads what the stream holds now, without waiting.
+  void PumpAvailable(size_t rank, Stream& stream, int number, std::vector<Event>& events);
   void DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
   void PumpControl(size_t rank, std::vector<Event>& events);
   void OnExit(size_t rank, std::vector<Event>& events);
