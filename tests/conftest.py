@@ -4,6 +4,7 @@ that no process of any run it started is left."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -13,6 +14,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from processes import processes_of_runs_under, tracking_agents_of  # noqa: E402
+
+# A test run started in the background (`make test &`) inherits SIGINT ignored, and so would
+# every caller a test starts: Python then never raises KeyboardInterrupt there, and the Ctrl+C
+# tests hang. A handler here is reset to the default in each child at exec, as in a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _RUNS = tempfile.mkdtemp(prefix="fanrun-test-runs-")
 # Set before any test runs, so that callers started as subprocesses inherit it too.
