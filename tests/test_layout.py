@@ -1,0 +1,30 @@
+"""The layers keep to their side: what runs inside a rank loads none of the caller's machinery."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def modules_after(code: str) -> set[str]:
+    probe = textwrap.dedent(code) + "\nimport sys\nprint('\\n'.join(sorted(sys.modules)))\n"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def test_importing_fanrun_data_loads_no_launcher_tracking_or_mlflow():
+    loaded = modules_after("import fanrun.data")
+    caller_side = {m for m in loaded if m.split(".")[0] == "mlflow"} | {
+        m for m in loaded
+        if m in ("fanrun._decorator", "fanrun._launcher", "fanrun._output", "fanrun._payload", "fanrun._rendezvous",
+                 "fanrun._torch_distributor", "fanrun._metric_relay", "fanrun._system_metrics")
+        or m.startswith("fanrun._tracking")
+    }
+    assert caller_side == set()
+
+
+def test_the_call_machinery_loads_when_first_named():
+    loaded = modules_after("from fanrun import distributed, TorchDistributor, FanrunError")
+    assert {"fanrun._decorator", "fanrun._launcher", "fanrun._torch_distributor"} <= loaded
