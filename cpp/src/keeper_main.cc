@@ -2,7 +2,6 @@
 // process the program starts stays its descendant, in whatever process group or session.
 // When the program ends, or its owner says so or goes away, it kills every descendant,
 // reaps them, reports how the program ended and leaves: no process of a run outlives it.
-#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -51,12 +50,11 @@ std::string ReadSmallFile(const std::string& path) {
 
 std::vector<std::string> NumericEntries(const std::string& directory) {
   std::vector<std::string> names;
-  DIR* dir = ::opendir(directory.c_str());
-  if (dir == nullptr) return names;
-  while (const dirent* entry = ::readdir(dir)) {
-    if (std::isdigit(static_cast<unsigned char>(entry->d_name[0]))) names.emplace_back(entry->d_name);
+  Result<DirectoryListing> listing = DirectoryListing::Open(directory);
+  if (!listing.ok()) return names;
+  while (const char* name = listing->Next()) {
+    if (std::isdigit(static_cast<unsigned char>(name[0]))) names.emplace_back(name);
   }
-  ::closedir(dir);
   return names;
 }
 
