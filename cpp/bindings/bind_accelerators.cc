@@ -3,8 +3,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "call_without_gil.h"
 #include "fanrun/accelerators.h"
-#include "status_to_python.h"
 
 namespace nb = nanobind;
 
@@ -59,11 +59,7 @@ void BindAccelerators(nb::module_& m) {
   m.def(
       "detect_gpus",
       [](const std::string& library) {
-        GpuInventory inventory;
-        {
-          nb::gil_scoped_release release;
-          inventory = DetectGpus(library);
-        }
+        const GpuInventory inventory = CallWithoutGil([&] { return DetectGpus(library); });
         nb::dict out;
         out["gpus"] = GpusToPython(inventory.gpus);
         out["driver_version"] = inventory.driver_version;
@@ -85,17 +81,11 @@ void BindAccelerators(nb::module_& m) {
       .def_static(
           "open",
           [](const std::string& library) {
-            std::unique_ptr<GpuSampler> sampler;
-            std::string why;
-            {
-              nb::gil_scoped_release release;
+            auto [sampler, why] = CallWithoutGil([&] {
               Result<std::unique_ptr<GpuSampler>> opened = GpuSampler::Open(library);
-              if (opened.ok()) {
-                sampler = std::move(opened).ValueOrDie();
-              } else {
-                why = opened.status().message();
-              }
-            }
+              if (!opened.ok()) return std::pair{std::unique_ptr<GpuSampler>(), opened.status().message()};
+              return std::pair{std::move(opened).ValueOrDie(), std::string()};
+            });
             if (sampler == nullptr) return nb::make_tuple(nb::none(), why);
             return nb::make_tuple(nb::cast(sampler.release(), nb::rv_policy::take_ownership), std::string());
           },
@@ -103,19 +93,7 @@ void BindAccelerators(nb::module_& m) {
       .def(
           "sample",
           [](GpuSampler& sampler, const std::vector<int>& nvml_indices) {
-            std::vector<GpuSample> samples;
-            Status status;
-            {
-              nb::gil_scoped_release release;
-              Result<std::vector<GpuSample>> sampled = sampler.Sample(nvml_indices);
-              if (sampled.ok()) {
-                samples = std::move(sampled).ValueOrDie();
-              } else {
-                status = sampled.status();
-              }
-            }
-            ThrowIfError(status);
-            return SamplesToPython(samples);
+            return SamplesToPython(CallWithoutGil([&] { return sampler.Sample(nvml_indices); }));
           },
           nb::arg("nvml_indices"));
 }

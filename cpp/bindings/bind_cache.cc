@@ -8,6 +8,7 @@
 
 #include <memory>
 
+#include "call_without_gil.h"
 #include "fanrun/file_cache.h"
 #include "fanrun/http_fetch.h"
 #include "fanrun/prefetch_local.h"
@@ -158,15 +159,13 @@ void BindCache(nb::module_& m) {
       .def("drain",
            [](PyLocalPrefetcher& self) {
              LocalPrefetcher& prefetcher = self.prefetcher();
-             nb::gil_scoped_release release;
-             prefetcher.Drain();
+             CallWithoutGil([&] { prefetcher.Drain(); });
            })
       .def(
           "wait",
           [](PyLocalPrefetcher& self, const std::string& path) {
             LocalPrefetcher& prefetcher = self.prefetcher();
-            nb::gil_scoped_release release;
-            prefetcher.Wait(path);
+            CallWithoutGil([&] { prefetcher.Wait(path); });
           },
           nb::arg("path"))
       .def("stats", [](PyLocalPrefetcher& self) {
@@ -195,13 +194,7 @@ void BindCache(nb::module_& m) {
           [](PyFileCache& self, const std::string& source, const std::string& name, int64_t size) {
             FileCache& cache = self.cache();
             const Interrupt interrupt = self.CallerInterrupt();
-            Result<std::string> path = Status::Internal("not acquired");
-            {
-              nb::gil_scoped_release release;
-              path = cache.Acquire(CacheItem{source, name, size}, interrupt);
-            }
-            if (PyErr_Occurred() != nullptr) throw nb::python_error();  // the signal's exception
-            return ValueOrThrow(std::move(path));
+            return CallWithoutGil([&] { return cache.Acquire(CacheItem{source, name, size}, interrupt); });
           },
           nb::arg("source"), nb::arg("name"), nb::arg("size"))
       .def("release", [](PyFileCache& self, const std::string& name) { self.cache().Release(name); }, nb::arg("name"))

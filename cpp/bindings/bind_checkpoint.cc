@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <tuple>
 
+#include "call_without_gil.h"
 #include "fanrun/checkpoint_crc32c.h"
 #include "fanrun/checkpoint_io.h"
 #include "fanrun/checkpoint_publish.h"
@@ -25,12 +26,7 @@ using ReadTuple = std::tuple<size_t, uint64_t, size_t, uintptr_t, size_t, uint32
 
 std::unique_ptr<CheckpointFileWriter> CreateWriter(const std::string& path, uint64_t size, int threads,
                                                    size_t chunk_bytes) {
-  Result<std::unique_ptr<CheckpointFileWriter>> writer = Status::Internal("not created");
-  {
-    nb::gil_scoped_release release;
-    writer = CheckpointFileWriter::Create(path, size, WriteOptions{threads, chunk_bytes});
-  }
-  return ValueOrThrow(std::move(writer));
+  return CallWithoutGil([&] { return CheckpointFileWriter::Create(path, size, WriteOptions{threads, chunk_bytes}); });
 }
 
 std::vector<uint32_t> WriteBatch(CheckpointFileWriter& writer, const std::vector<WriteTuple>& tuples) {
@@ -39,12 +35,7 @@ std::vector<uint32_t> WriteBatch(CheckpointFileWriter& writer, const std::vector
   for (const auto& [address, size, offset, label] : tuples) {
     items.push_back(WriteItem{reinterpret_cast<const void*>(address), size, offset, label});
   }
-  Result<std::vector<uint32_t>> crcs = Status::Internal("not written");
-  {
-    nb::gil_scoped_release release;
-    crcs = writer.Write(items);
-  }
-  return ValueOrThrow(std::move(crcs));
+  return CallWithoutGil([&] { return writer.Write(items); });
 }
 
 void ReadItems(const std::vector<std::string>& files, const std::vector<ReadTuple>& tuples, int threads,
@@ -54,12 +45,7 @@ void ReadItems(const std::vector<std::string>& files, const std::vector<ReadTupl
   for (const auto& [file, offset, size, address, destination_size, crc, label] : tuples) {
     items.push_back(ReadItem{file, offset, size, reinterpret_cast<void*>(address), destination_size, crc, label});
   }
-  Status st;
-  {
-    nb::gil_scoped_release release;
-    st = ReadItemsFromFiles(files, items, ReadOptions{threads, chunk_bytes});
-  }
-  ThrowIfError(st);
+  CallWithoutGil([&] { return ReadItemsFromFiles(files, items, ReadOptions{threads, chunk_bytes}); });
 }
 
 }  // namespace
@@ -70,25 +56,16 @@ void BindCheckpoint(nb::module_& m) {
       .def_static("create", &CreateWriter, nb::arg("path"), nb::arg("size"), nb::arg("threads"),
                   nb::arg("chunk_bytes"))
       .def("write", &WriteBatch, nb::arg("items"))
-      .def("finish", [](CheckpointFileWriter& writer) {
-        Status st;
-        {
-          nb::gil_scoped_release release;
-          st = writer.Finish();
-        }
-        ThrowIfError(st);
-      })
+      .def("finish", [](CheckpointFileWriter& writer) { CallWithoutGil([&] { return writer.Finish(); }); })
       .def("abort", &CheckpointFileWriter::Abort);
   m.def("read_checkpoint_items", &ReadItems, nb::arg("files"), nb::arg("items"), nb::arg("threads"),
         nb::arg("chunk_bytes"));
-  m.def("publish_directory", [](const std::string& staging, const std::string& target) {
-    Result<std::string> previous = Status::Internal("not published");
-    {
-      nb::gil_scoped_release release;
-      previous = PublishDirectory(staging, target);
-    }
-    return ValueOrThrow(std::move(previous));
-  }, nb::arg("staging"), nb::arg("target"));
+  m.def(
+      "publish_directory",
+      [](const std::string& staging, const std::string& target) {
+        return CallWithoutGil([&] { return PublishDirectory(staging, target); });
+      },
+      nb::arg("staging"), nb::arg("target"));
   m.def("crc32c_has_hardware", &Crc32cHasHardware);
 }
 

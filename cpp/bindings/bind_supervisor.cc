@@ -5,6 +5,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include "call_without_gil.h"
 #include "fanrun/supervisor.h"
 #include "status_to_python.h"
 
@@ -61,12 +62,7 @@ std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::s
 
 // (events, interrupted, done); an event is (kind, rank, stream, segment, text, exit).
 nb::tuple Wait(Supervisor& supervisor, double max_wait_s) {
-  Result<WaitResult> result = Status::Internal("not waited");
-  {
-    nb::gil_scoped_release release;
-    result = supervisor.Wait(max_wait_s);
-  }
-  WaitResult batch = ValueOrThrow(std::move(result));
+  const WaitResult batch = CallWithoutGil([&] { return supervisor.Wait(max_wait_s); });
   nb::list events;
   for (const Event& event : batch.events) {
     events.append(nb::make_tuple(static_cast<int>(event.kind), event.rank, event.stream,
@@ -95,10 +91,7 @@ void BindSupervisor(nb::module_& m) {
                   nb::arg("control_channel"), nb::arg("expect_done"), nb::arg("keeper"))
       .def("wait", &Wait, nb::arg("max_wait_s") = -1.0)
       .def("cancel", &Supervisor::Cancel)
-      .def("kill_and_reap", [](Supervisor& s) {
-        nb::gil_scoped_release release;
-        s.KillAndReap();
-      })
+      .def("kill_and_reap", [](Supervisor& s) { CallWithoutGil([&] { s.KillAndReap(); }); })
       .def_prop_ro("world_size", &Supervisor::world_size)
       .def_prop_ro("first_failed_rank", &Supervisor::first_failed_rank)
       .def_prop_ro("stop_reason", [](const Supervisor& s) { return StopReasonName(s.stop_reason()); })
