@@ -24,6 +24,7 @@
 
 #include "fanrun/fd.h"
 #include "fanrun/process.h"
+#include "fanrun/run_contract.h"
 #include "keeper_protocol_internal.h"
 
 extern char** environ;
@@ -32,7 +33,6 @@ namespace fanrun::keeper {
 namespace {
 
 constexpr int kChannel = 0;  // the socket to the owner
-constexpr int kControl = 3;  // the rank's control channel, handed on as the program's fd 3
 // How long what is left gets to die after SIGKILL (a process stuck in the kernel dies only when
 // it leaves it) before the keeper reports anyway rather than hold up the caller.
 constexpr auto kKillDeadline = std::chrono::seconds(10);
@@ -142,7 +142,7 @@ class Keeper {
 
 int Keeper::Run(const char* directory, const char* path, char** argv) {
   // Before the keeper opens anything, which could take number 3 when no channel is there.
-  control_ = ::fcntl(kControl, F_GETFD) >= 0;
+  control_ = ::fcntl(kControlFd, F_GETFD) >= 0;  // the rank's control channel, handed on to the program
   Status st = Prepare();
   if (st.ok() && OwnerGone()) return 1;  // before the parent-death signal was armed: nothing started yet
   if (st.ok()) st = Start(directory, path, argv);
@@ -205,10 +205,10 @@ Status Keeper::Start(const char* directory, const char* path, char** argv) {
   for (char** entry = environ; *entry != nullptr; ++entry) options.env.emplace_back(*entry);
   options.stdout_fd = 1;
   options.stderr_fd = 2;
-  if (control_) options.control_fd = kControl;
+  if (control_) options.control_fd = kControlFd;
   FANRUN_ASSIGN_OR_RETURN(ChildProcess child, Spawn(options));
   program_.emplace(std::move(child));
-  if (control_) ::close(kControl);  // the channel's end of the rank is the program's alone
+  if (control_) ::close(kControlFd);  // the channel's end of the rank is the program's alone
   return Status::OK();
 }
 

@@ -14,12 +14,6 @@ namespace fanrun {
 namespace {
 
 constexpr size_t kReadChunk = 64 * 1024;
-// The messages a rank sends on its control channel, one a line; "log <n>" is followed by n
-// bytes for the rank's log alone: the traceback of its failure, which the caller shows with
-// its exception, so that it is not shown twice.
-constexpr std::string_view kFailedMessage = "failed";
-constexpr std::string_view kDoneMessage = "done";
-constexpr std::string_view kLogMessage = "log ";
 constexpr size_t kLongestLogText = 4 << 20;
 // A year bounds every period: beyond it the clock arithmetic would overflow.
 constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
@@ -188,8 +182,8 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
   size_t newline;
   while ((newline = r.control_buffer.find('\n')) != std::string::npos) {
     const std::string message = r.control_buffer.substr(0, newline);
-    if (message.compare(0, kLogMessage.size(), kLogMessage) == 0) {
-      const std::string digits = message.substr(kLogMessage.size());
+    if (message.compare(0, kControlLog.size(), kControlLog) == 0) {
+      const std::string digits = message.substr(kControlLog.size());
       const bool valid = !digits.empty() && digits.size() <= 8 &&
                          digits.find_first_not_of("0123456789") == std::string::npos &&
                          std::stoul(digits) <= kLongestLogText;
@@ -209,10 +203,10 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
       continue;
     }
     r.control_buffer.erase(0, newline + 1);
-    if (message == kFailedMessage) {
+    if (message == kControlFailed) {
       events.push_back(Event{EventKind::kRankFailed, static_cast<int>(rank), 0, SegmentKind::kLine, {}, {}});
       OnFailure(rank);
-    } else if (message == kDoneMessage) {
+    } else if (message == kControlDone) {
       r.done = true;
     }
   }
