@@ -52,20 +52,29 @@ void ReadItems(const std::vector<std::string>& files, const std::vector<ReadTupl
 
 void BindCheckpoint(nb::module_& m) {
   m.attr("CHECKPOINT_CHUNK_BYTES") = kDefaultChunkBytes;
-  nb::class_<CheckpointFileWriter>(m, "CheckpointFileWriter")
+  nb::class_<CheckpointFileWriter>(m, "CheckpointFileWriter",
+                                   "One rank's checkpoint data file, written in batches by the engine's threads; removed\n"
+                                   "unless finish() succeeds (abort(), or garbage).")
       .def_static("create", &CreateWriter, nb::arg("path"), nb::arg("size"), nb::arg("threads"),
-                  nb::arg("chunk_bytes"))
-      .def("write", &WriteBatch, nb::arg("items"))
+                  nb::arg("chunk_bytes"), "The file must not exist; size bytes are reserved at once.")
+      .def("write", &WriteBatch, nb::arg("items"),
+           "items: (address, size, offset, label), an address a tensor's data pointer that the caller keeps\n"
+           "alive; returns each item's CRC32C.")
       .def("finish", [](CheckpointFileWriter& writer) { CallWithoutGil([&] { return writer.Finish(); }); })
       .def("abort", &CheckpointFileWriter::Abort);
   m.def("read_checkpoint_items", &ReadItems, nb::arg("files"), nb::arg("items"), nb::arg("threads"),
-        nb::arg("chunk_bytes"));
+        nb::arg("chunk_bytes"),
+        "items: (file index, offset, size, destination address, destination size, expected CRC32C, label),\n"
+        "a destination a tensor's data pointer that the caller keeps alive. An item whose size is not its\n"
+        "destination's, or that lies past its file's end, reads nothing.");
   m.def(
       "publish_directory",
       [](const std::string& staging, const std::string& target) {
         return CallWithoutGil([&] { return PublishDirectory(staging, target); });
       },
-      nb::arg("staging"), nb::arg("target"));
+      nb::arg("staging"), nb::arg("target"),
+      "Moves the complete checkpoint staging to target (checkpoint_publish.h); returns where the replaced\n"
+      "checkpoint now lies (\"\" if there was none), for the caller to remove.");
   m.def("crc32c_has_hardware", &Crc32cHasHardware);
 }
 
