@@ -19,10 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from . import _run_contract
 from ._errors import UnsafePathError
 from ._private_dir import open_private, open_private_dir
-from ._run_contract import RUN_MARKER
+from ._run_contract import PAYLOAD, RUN_MARKER, error_name, log_name, result_name
 
 # Finished runs beyond the newest this many are removed when a new run starts.
 KEEP_RUNS = 100
@@ -63,7 +62,7 @@ def _open_root(path: Path) -> tuple[Path, int]:
 
 def rank_log(run_dir: Path, rank: int) -> Path:
     """A rank's full log in its run's directory."""
-    return run_dir / _run_contract.log_name(rank)
+    return run_dir / log_name(rank)
 
 
 class RunPaths:
@@ -99,16 +98,16 @@ class RunPaths:
 
     @property
     def payload(self) -> Path:
-        return self.directory / _run_contract.PAYLOAD
+        return self.directory / PAYLOAD
 
     def log(self, rank: int) -> Path:
         return rank_log(self.directory, rank)
 
     def result(self, rank: int) -> Path:
-        return self.directory / _run_contract.result_name(rank)
+        return self.directory / result_name(rank)
 
     def error(self, rank: int) -> Path:
-        return self.directory / _run_contract.error_name(rank)
+        return self.directory / error_name(rank)
 
     def write_payload(self, *chunks: bytes) -> None:
         """Writes the payload, 0600, under a temporary name, fsynced, then renamed into place."""
