@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import _core, _hints, _result_file
+from . import _core, _hints, _result_file, _run_contract
 from ._accelerators import Plan
 from ._errors import (
     DescriptorLimitError,
@@ -229,11 +229,11 @@ def rank_environment(
         TORCHELASTIC_RUN_ID=paths.run_id,
         TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
-        FANRUN_RUN_ID=paths.run_id,
-        FANRUN_RUN_DIR=str(paths.directory),
-        FANRUN_CONTROL_FD="3",
-        FANRUN_ACCELERATOR="gpu" if plan.use_gpus else "cpu",
     )
+    env[_run_contract.ENV_RUN_ID] = paths.run_id
+    env[_run_contract.ENV_RUN_DIR] = str(paths.directory)
+    env[_run_contract.ENV_CONTROL_FD] = str(_run_contract.CONTROL_FD)
+    env[_run_contract.ENV_ACCELERATOR] = "gpu" if plan.use_gpus else "cpu"
     env.update(rendezvous)
     if not plan.use_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU processes, even on a machine with GPUs
@@ -248,9 +248,9 @@ def _pump(supervisor, mux: OutputMux, wakeup: _SignalWakeup, timeout_report: _Ti
     while True:
         events, interrupted, done = supervisor.wait(mux.seconds_to_redraw())
         for kind, rank, stream, segment, data, _exit in events:
-            if kind == _core.EVENT_OUTPUT:
+            if kind == _core.EventKind.OUTPUT:
                 mux.write(rank, stream, segment, data)
-            elif kind == _core.EVENT_TIMED_OUT:
+            elif kind == _core.EventKind.TIMED_OUT:
                 # The stack-dump signal is out and the ranks still run: from here, stderr is
                 # kept, and what stands in the way of a dump can still be seen.
                 timeout_report.start(supervisor, mux)
@@ -372,7 +372,7 @@ class _SignalWakeup:
 def _outcome(name, supervisor, paths, mux, timeout_report: _TimeoutReport, timeout, collect: bool) -> list[object]:
     world_size = supervisor.world_size
     reason = supervisor.stop_reason
-    if reason == "timeout":
+    if reason == _core.StopReason.TIMEOUT:
         running = list(supervisor.ranks_running_at_timeout)
         stacks, missing = timeout_report.split(running)
         raise RunTimeoutError(
@@ -381,7 +381,7 @@ def _outcome(name, supervisor, paths, mux, timeout_report: _TimeoutReport, timeo
             stacks=stacks,
             missing_stacks=missing,
         )
-    if reason == "rank_failed":
+    if reason == _core.StopReason.RANK_FAILED:
         error = _root_cause(supervisor.first_failed_rank, supervisor, paths, mux)
         raise error from error.__cause__
     if not collect:

@@ -32,17 +32,17 @@ class OutputMux:
         self._capturing = collections.defaultdict(list)
         return self._capturing
 
-    def write(self, rank: int, stream_number: int, segment: int, data: bytes) -> None:
+    def write(self, rank: int, stream_number: int, segment: _core.SegmentKind, data: bytes) -> None:
         text = data.decode("utf-8", "replace")
         key = (rank, stream_number)
         view = self._views[stream_number]
         now = time.monotonic()
-        if segment == _core.SEGMENT_PROGRESS:
+        if segment == _core.SegmentKind.PROGRESS:
             self._held.pop(key, None)  # the line is redrawn from its start
             view.progress(key, visible(text), now)
             return
         held = self._held.pop(key, "")
-        if segment == _core.SEGMENT_PARTIAL and len(held) + len(text) < MAX_HELD_CHARS:
+        if segment == _core.SegmentKind.PARTIAL and len(held) + len(text) < MAX_HELD_CHARS:
             self._held[key] = held + text
             view.partial(key, visible(text), visible(held + text), now)
             return
