@@ -29,12 +29,12 @@ os.environ["FANRUN_TRACKING"] = "0"
 # fanrun's default MLflow store lives under $XDG_DATA_HOME: the tests' own, never the user's.
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="fanrun-test-data-")
 
-import fanrun._launcher  # noqa: E402
+import fanrun._launch.run  # noqa: E402
 
 # The tests that read a call's exact output run in this process, in any order: the line a
 # process shows once when it finds no GPU would land in whichever came first. The tests of
 # that line run their callers as subprocesses.
-fanrun._launcher.no_gpu_notice_shown = True
+fanrun._launch.run.no_gpu_notice_shown = True
 
 
 @pytest.fixture(scope="session")

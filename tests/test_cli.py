@@ -66,7 +66,7 @@ def test_script_exception_is_reported(tmp_path):
     assert done.stderr.count("Traceback (most recent call last):") == 1
     traceback_text = done.stderr[done.stderr.index("Traceback (most recent call last):"):]
     assert f'File "{script}", line 4, in <module>' in traceback_text
-    assert "runpy" not in done.stderr and "_worker.py" not in done.stderr
+    assert "runpy" not in done.stderr and "_rank/worker.py" not in done.stderr
     assert "[rank0]: Traceback" not in done.stderr
     log = done.stderr.rsplit("full log: ", 1)[1].strip()
     assert "RuntimeError: script broke" in Path(log).read_text()

@@ -18,13 +18,13 @@ def test_importing_fanrun_data_loads_no_launcher_tracking_or_mlflow():
     loaded = modules_after("import fanrun.data")
     caller_side = {m for m in loaded if m.split(".")[0] == "mlflow"} | {
         m for m in loaded
-        if m in ("fanrun._decorator", "fanrun._launcher", "fanrun._output", "fanrun._payload", "fanrun._rendezvous",
-                 "fanrun._torch_distributor", "fanrun._metric_relay", "fanrun._system_metrics")
-        or m.startswith("fanrun._tracking")
+        if m in ("fanrun._decorator", "fanrun._payload", "fanrun._torch_distributor", "fanrun._metric_relay",
+                 "fanrun._system_metrics")
+        or m.startswith(("fanrun._tracking", "fanrun._launch", "fanrun.backends"))
     }
     assert caller_side == set()
 
 
 def test_the_call_machinery_loads_when_first_named():
     loaded = modules_after("from fanrun import distributed, TorchDistributor, FanrunError")
-    assert {"fanrun._decorator", "fanrun._launcher", "fanrun._torch_distributor"} <= loaded
+    assert {"fanrun._decorator", "fanrun._launch.run", "fanrun.backends.local", "fanrun._torch_distributor"} <= loaded

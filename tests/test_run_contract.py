@@ -1,4 +1,4 @@
-"""The run contract is defined once per language (src/fanrun/_run_contract.py and
+"""The run contract is defined once per language (src/fanrun/_rank/contract.py and
 cpp/include/fanrun/run_contract.h), and the two halves agree."""
 
 from __future__ import annotations
@@ -6,7 +6,9 @@ from __future__ import annotations
 import ast
 import inspect
 
-from fanrun import _core, _launcher, _run_contract
+from fanrun import _core
+from fanrun._rank import contract as _run_contract
+from fanrun.backends.local import KEEPER
 
 
 def test_the_control_channel_is_the_same_in_both_languages():
@@ -57,7 +59,7 @@ def test_a_rank_speaking_the_python_contract_is_understood_by_the_engine(runs_di
         wakeup_fd=-1,
         control_channel=True,
         expect_done=False,
-        keeper=_launcher.KEEPER,
+        keeper=KEEPER,
     )
     events = []
     done = False

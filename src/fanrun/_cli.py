@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 
-from . import __version__, _accelerators, _cli_torchrun, _launcher
+from . import __version__, _accelerators, _cli_torchrun
+from ._launch.program import RankProgram
+from ._launch.run import run
 from ._decorator import DEFAULT_TIMEOUT
 from ._errors import RankFailedError, RemoteTraceback, RunTimeoutError
 
@@ -71,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
                                     f"use -m for a module, or --no-python for a program")
         if options.no_python:
-            program = _launcher.RankProgram.native([options.target, *options.args])
+            program = RankProgram.native([options.target, *options.args])
         else:
-            program = _launcher.RankProgram.script(options.target, options.args, module=options.module)
-        _launcher.run(
+            program = RankProgram.script(options.target, options.args, module=options.module)
+        run(
             name=options.target.rsplit("/", 1)[-1],
             plan=plan,
             program=program,

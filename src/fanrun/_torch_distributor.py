@@ -13,7 +13,9 @@ import os
 import warnings
 from typing import Any, Callable
 
-from . import _accelerators, _errors, _launcher
+from . import _accelerators, _errors
+from ._launch.program import RankProgram
+from ._launch.run import run
 from ._decorator import DEFAULT_TIMEOUT, distributed
 from ._errors import AcceleratorMismatchError
 
@@ -71,10 +73,10 @@ class TorchDistributor:
         self._check_gpus()
         request = None if self.use_gpu else _accelerators.parse_accelerator_type("CPU")
         plan = _accelerators.plan_run(self.num_processes, request, _accelerators.detect())
-        _launcher.run(
+        run(
             name=os.path.basename(path),
             plan=plan,
-            program=_launcher.RankProgram.script(path, [str(a) for a in args]),
+            program=RankProgram.script(path, [str(a) for a in args]),
             timeout=DEFAULT_TIMEOUT,
         )
         return None

@@ -41,7 +41,7 @@ from . import _tracking_store
 from ._accelerators import Plan
 from ._errors import RunTimeoutError
 from ._metric_relay import RelaySocket
-from ._paths import RunPaths
+from ._launch.paths import RunPaths
 
 # Bounds on the agent's MLflow calls: a stalled server costs this much, never a hang.
 START_DEADLINE_S = 20.0

@@ -34,7 +34,7 @@ from typing import Any
 
 from . import _tracking_store
 from ._metric_relay import MetricRelay
-from ._paths import rank_log
+from ._launch.paths import rank_log
 from ._system_metrics import SystemMetricsSampler, sampling_interval
 from ._tracking import FINISH_DEADLINE_S, START_DEADLINE_S, _Run, describe, masked, receive, send
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .. import _run_contract
+from .._rank import contract as run_contract
 from .._errors import DataSourceError
 from .._private_dir import open_private_subdir
 from ._cache import CACHE_DIR_REMEDY
@@ -194,7 +194,7 @@ def _collector_paused():
 
 def _run_token() -> str | None:
     """What all ranks of one run share, and nothing else does."""
-    for name in (_run_contract.ENV_RUN_ID, "TORCHELASTIC_RUN_ID"):
+    for name in (run_contract.ENV_RUN_ID, "TORCHELASTIC_RUN_ID"):
         value = os.environ.get(name)
         if value:
             return f"{name}={value}"

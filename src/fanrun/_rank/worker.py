@@ -30,7 +30,7 @@ def _sibling(name: str) -> dict:
     return runpy.run_path(os.path.join(os.path.dirname(__file__), name))
 
 
-_contract = types.SimpleNamespace(**_sibling("_run_contract.py"))
+_contract = types.SimpleNamespace(**_sibling("contract.py"))
 
 # Sent by the engine at a timeout: every thread's Python stack goes to stderr, hence to the log.
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -63,7 +63,7 @@ def main() -> None:
     if os.environ.get(_contract.ENV_TRACKING):
         # A call of @distributed: when the function imports mlflow, the call's run becomes
         # active there, or MLflow logs nowhere if the call is not tracked.
-        _sibling("_rank_tracking.py")["install"]()
+        _sibling("../_rank_tracking.py")["install"]()
     mode = sys.argv[1]
     run_dir = Path(os.environ[_contract.ENV_RUN_DIR])
     rank = int(os.environ["RANK"])
@@ -182,7 +182,7 @@ def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: i
 def _send_result(run_dir: Path, rank: int, result: object) -> None:
     import cloudpickle
 
-    result_file = _sibling("_result_file.py")
+    result_file = _sibling("result_file.py")
     path = run_dir / _contract.result_name(rank)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

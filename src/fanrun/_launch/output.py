@@ -10,8 +10,8 @@ from __future__ import annotations
 import collections
 import time
 
-from . import _core
-from ._output_views import View, flush_streams, views_for_streams, visible
+from .. import _core
+from .output_views import View, flush_streams, views_for_streams, visible
 
 TAIL_LINES = 40
 # The start of a line kept to complete it; a longer line is shown in pieces of this size.

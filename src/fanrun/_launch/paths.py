@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from ._errors import UnsafePathError
-from ._private_dir import open_private, open_private_dir
-from ._run_contract import PAYLOAD, RUN_MARKER, error_name, log_name, result_name
+from .._errors import UnsafePathError
+from .._private_dir import open_private, open_private_dir
+from .._rank.contract import PAYLOAD, RUN_MARKER, error_name, log_name, result_name
 
 # Finished runs beyond the newest this many are removed when a new run starts.
 KEEP_RUNS = 100
