@@ -55,7 +55,9 @@ def listed_md5(info: dict, protocols: tuple[str, ...]) -> str | None:
     return None
 
 
-def is_url(text: str) -> bool:
+def is_remote_source(text: str) -> bool:
+    """A source that fsspec lists and the cache fetches: a URL, but not file://, whose files are
+    read in place like any local path."""
     return "://" in text and not text.startswith("file://")
 
 
@@ -168,7 +170,7 @@ def list_files(source: str | os.PathLike | Sequence[str | os.PathLike], pattern:
     found: dict[str, SourceFile] = {}
     with _collector_paused():
         for root in roots:
-            listed = _list_remote(root, pattern, storage_options) if is_url(root) else _list_local(root, pattern)
+            listed = _list_remote(root, pattern, storage_options) if is_remote_source(root) else _list_local(root, pattern)
             for file in listed:
                 found[file.source] = file
     if not found:
