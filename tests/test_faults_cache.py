@@ -160,10 +160,10 @@ def test_a_cached_file_whose_change_time_moved_is_verified_then_served_without_a
         path.chmod(0o600)  # the same mode: only its change time moves
     again = dataset(tmp_path / "data", cache)
     assert by_name(again) == contents
-    stats = again._cache.stats()
+    stats = again._cache.get().stats()
     assert (stats["readmitted"], stats["fetched"], stats["rejected"]) == (2, 0, 0)
     assert by_name(again) == contents
-    assert again._cache.stats()["hits"] == 2
+    assert again._cache.get().stats()["hits"] == 2
 
 
 def test_a_source_whose_size_changed_is_fetched_again(tmp_path):
@@ -292,7 +292,7 @@ def test_a_planted_file_of_the_right_size_is_not_served(tmp_path):
     give_away(theirs)
     unrecorded.write_bytes(b"F" * 3_000)
     assert by_name(ds) == contents
-    assert ds._cache.stats()["fetched"] == 2
+    assert ds._cache.get().stats()["fetched"] == 2
 
 
 # ---------------------------------------------------------------- private to its owner
