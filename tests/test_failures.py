@@ -212,7 +212,7 @@ def test_missing_executable_is_an_error_before_the_run(monkeypatch):
     from fanrun._launch.run import run
 
     plan = _accelerators.plan_run(2, None, _accelerators.detect())
-    with pytest.raises(fanrun.FanrunError, match="Rank 0 could not start: Cannot run '/nonexistent/python'"):
+    with pytest.raises(fanrun.ExecutableNotFoundError, match="Rank 0 could not start: Cannot run '/nonexistent/python'"):
         run(name="x", plan=plan, program=RankProgram.native(["/nonexistent/python"]), timeout=None)
 
 

@@ -8,9 +8,14 @@ from ._accelerators import AcceleratorType as AcceleratorType
 from ._accelerators import GPUType as GPUType
 from ._errors import AcceleratorMismatchError as AcceleratorMismatchError
 from ._errors import DescriptorLimitError as DescriptorLimitError
+from ._errors import EngineError as EngineError
+from ._errors import EngineInvalidArgument as EngineInvalidArgument
+from ._errors import EngineOSError as EngineOSError
+from ._errors import ExecutableNotFoundError as ExecutableNotFoundError
 from ._errors import FanrunError as FanrunError
 from ._errors import PayloadSerializationError as PayloadSerializationError
 from ._errors import RankFailedError as RankFailedError
+from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import ResultSerializationError as ResultSerializationError
 from ._errors import RunTimeoutError as RunTimeoutError
 from ._errors import UnsafePathError as UnsafePathError

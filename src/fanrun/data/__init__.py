@@ -1,9 +1,13 @@
 """fanrun.data: what a training function reads and writes inside @distributed: a streaming
 file dataset with a node-wide cache, and checkpoint storage for torch.distributed.checkpoint."""
 
+from .._errors import CacheLimitError as CacheLimitError
 from .._errors import CheckpointCorruptError as CheckpointCorruptError
 from .._errors import CheckpointExistsError as CheckpointExistsError
+from .._errors import DataFileError as DataFileError
+from .._errors import DataSourceError as DataSourceError
 from .._errors import NotACheckpointError as NotACheckpointError
+from .._errors import UnsafePathError as UnsafePathError
 from .checkpoint import VolumeReader as VolumeReader
 from .checkpoint import VolumeWriter as VolumeWriter
 from .checkpoint import export_dcp as export_dcp
