@@ -5,6 +5,7 @@ lives as long as its caller and is stopped, and proved gone, when the session en
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +15,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from processes import processes_of_runs_under, tracking_agents_of  # noqa: E402
+
+# A test run started in the background (`make test &`) inherits SIGINT ignored, and so would
+# every caller a test starts: Python then never raises KeyboardInterrupt there, and the Ctrl+C
+# tests hang. A handler here is reset to the default in each child at exec, as in a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _RUNS = tempfile.mkdtemp(prefix="fanrun-test-runs-")
 # Set before any test runs, so that callers started as subprocesses inherit it too.
@@ -25,12 +31,12 @@ os.environ["FANRUN_TRACKING"] = "0"
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="fanrun-test-data-")
 
 import fanrun._agent_connection  # noqa: E402
-import fanrun._launcher  # noqa: E402
+import fanrun._launch.run  # noqa: E402
 
 # The tests that read a call's exact output run in this process, in any order: the line a
 # process shows once when it finds no GPU would land in whichever came first. The tests of
 # that line run their callers as subprocesses.
-fanrun._launcher.no_gpu_notice_shown = True
+fanrun._launch.run.no_gpu_notice_shown = True
 
 
 @pytest.fixture(scope="session")

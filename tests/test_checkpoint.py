@@ -70,7 +70,7 @@ def ddp_checkpoints(root: str, url_root: str, local_staging: str):
 
     # A second async save stages into the host buffers the first one wrote from: it must hold
     # the values of its own call, not the first one's, nor the changes made after it.
-    from fanrun.data._checkpoint_staging import _HOST_BUFFERS
+    from fanrun.data.checkpoint.staging import _HOST_BUFFERS
 
     out["buffers_kept"] = sum(len(kept) for kept in _HOST_BUFFERS._free.values())
     out["saved2_again"] = weights()
@@ -190,13 +190,13 @@ def test_memory_url_in_one_process():
 def test_items_written_and_read_in_many_batches_load_back(tmp_path, monkeypatch):
     import torch
 
-    from fanrun.data import VolumeReader, VolumeWriter, _checkpoint_reader, _checkpoint_writer
+    from fanrun.data import VolumeReader, VolumeWriter
+    from fanrun.data.checkpoint import engine_io
 
     # Items are written and read in batches (GPU tensors pass through pinned memory a batch at a
     # time, host ones in larger batches); tiny batches here make nearly every item its own.
-    for module in (_checkpoint_writer, _checkpoint_reader):
-        monkeypatch.setattr(module, "BATCH_BYTES", 1000)
-        monkeypatch.setattr(module, "HOST_BATCH_FACTOR", 1)
+    monkeypatch.setattr(engine_io, "BATCH_BYTES", 1000)
+    monkeypatch.setattr(engine_io, "HOST_BATCH_FACTOR", 1)
     model = make_model(seed=3)
     state = {"model": model.state_dict(), "strided": torch.arange(60.0).reshape(6, 10).t(), "meta": {"a": 1}}
     save_here(state, VolumeWriter(tmp_path / "ckpt", thread_count=3, chunk_bytes=4096))
@@ -212,7 +212,7 @@ def test_overwriting_never_leaves_the_path_without_a_complete_checkpoint(tmp_pat
     import threading
 
     from fanrun.data import VolumeWriter
-    from fanrun.data._checkpoint_storage import read_record
+    from fanrun.data.checkpoint.storage import read_record
 
     path = tmp_path / "step"
     state = {"model": make_model(seed=8).state_dict()}
@@ -251,7 +251,7 @@ def test_an_empty_state_dict_is_a_checkpoint_too(tmp_path):
 
 def test_latest_checkpoint_ignores_what_is_not_complete(tmp_path):
     from fanrun.data import VolumeWriter, latest_checkpoint
-    from fanrun.data._checkpoint_layout import RECORD_NAME
+    from fanrun.data.checkpoint.layout import RECORD_NAME
 
     assert latest_checkpoint(tmp_path / "absent") is None
     assert latest_checkpoint(tmp_path) is None
@@ -273,8 +273,8 @@ def test_latest_checkpoint_ignores_what_is_not_complete(tmp_path):
 def test_partial_save_of_a_live_process_is_not_a_leftover(tmp_path):
     import threading
 
-    from fanrun.data._checkpoint_layout import partial_dir
-    from fanrun.data._checkpoint_storage import SaveLock, clean_leftovers
+    from fanrun.data.checkpoint.layout import partial_dir
+    from fanrun.data.checkpoint.storage import SaveLock, clean_leftovers
 
     # An async save still writing in this process (its own thread) or in another holds its
     # partial directory's lock: a new save in the same root must leave it alone, and clean it

@@ -123,7 +123,7 @@ def test_flipped_byte_names_the_file_and_the_item(tmp_path):
     import torch
 
     from fanrun.data import CheckpointCorruptError, VolumeReader, VolumeWriter
-    from fanrun.data._checkpoint_layout import RECORD_NAME
+    from fanrun.data.checkpoint.layout import RECORD_NAME
 
     save_here(big_state(7), VolumeWriter(tmp_path / "ckpt"))
     record = __import__("json").loads((tmp_path / "ckpt" / RECORD_NAME).read_text())

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 FANRUN = [sys.executable, "-m", "fanrun"]
 
@@ -60,8 +61,15 @@ def test_script_exception_is_reported(tmp_path):
     ))
     done = run(["run", "-n", "2", str(script)])
     assert done.returncode == 1
-    assert "[rank0]: RuntimeError: script broke" in done.stderr
     assert "fanrun: a rank failed: RuntimeError: [rank 0] script broke" in done.stderr
+    # The traceback once, with the script's own frames only (no runpy, no fanrun), and whole in the log.
+    assert done.stderr.count("Traceback (most recent call last):") == 1
+    traceback_text = done.stderr[done.stderr.index("Traceback (most recent call last):"):]
+    assert f'File "{script}", line 4, in <module>' in traceback_text
+    assert "runpy" not in done.stderr and "_rank/worker.py" not in done.stderr
+    assert "[rank0]: Traceback" not in done.stderr
+    log = done.stderr.rsplit("full log: ", 1)[1].strip()
+    assert "RuntimeError: script broke" in Path(log).read_text()
 
 
 def test_bad_arguments_are_reported_before_anything_starts():

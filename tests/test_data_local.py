@@ -95,8 +95,8 @@ def test_local_files_are_read_in_place_and_sorted_recursively(tmp_path, corpus):
     assert ds.files == sorted(str(p) for p in corpus.rglob("*.bin"))
     assert list(ds) == ds.files  # the sources themselves: nothing copied
     assert not any((tmp_path / "cache").rglob("files/*"))
-    ds._prefetcher.drain()  # every file was looked at or, cached already, skipped; none failed
-    stats = ds._prefetcher.stats()
+    ds._prefetcher.get().drain()  # every file was looked at or, cached already, skipped; none failed
+    stats = ds._prefetcher.get().stats()
     assert stats["failed"] == 0 and sum(stats.values()) == 40
     assert stats["resident"] > 0  # just written: in the page cache, not read ahead again
 
@@ -151,7 +151,7 @@ def test_large_local_files_are_in_memory_when_their_reader_gets_them(tmp_path):
         pytest.skip(f"{tmp_path} keeps its files in memory (a tmpfs?)")
     ds = VolumeDataset(tmp_path / "large", cache_dir=tmp_path / "cache", transform=bytes_in_memory)
     assert list(ds) == [size] * 6
-    assert ds._prefetcher.stats()["hinted"] == 6
+    assert ds._prefetcher.get().stats()["hinted"] == 6
 
 
 def test_cached_copies_hold_the_same_bytes_and_a_second_reader_finds_them(tmp_path, corpus):
@@ -160,18 +160,18 @@ def test_cached_copies_hold_the_same_bytes_and_a_second_reader_finds_them(tmp_pa
     assert all(p.startswith(str(tmp_path / "cache" / "files")) for p in paths)
     by_label = {label(p): Path(p).read_bytes() for p in paths}
     assert by_label == {label(str(p)): p.read_bytes() for p in corpus.rglob("*.bin")}
-    assert ds._cache.stats()["fetched"] == 40
+    assert ds._cache.get().stats()["fetched"] == 40
     again = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", cache_local=True)
     assert sorted(map(label, again)) == sorted(by_label)
-    assert again._cache.stats() | {"hits": 0} == {**again._cache.stats(), "hits": 0}
-    assert again._cache.stats()["hits"] == 40 and again._cache.stats()["fetched"] == 0
+    assert again._cache.get().stats() | {"hits": 0} == {**again._cache.get().stats(), "hits": 0}
+    assert again._cache.get().stats()["hits"] == 40 and again._cache.get().stats()["fetched"] == 0
 
 
 def test_the_cache_stays_within_its_limit_by_evicting_files_not_in_use(tmp_path, corpus):
     ds = VolumeDataset(corpus, pattern="*.bin", cache_dir=tmp_path / "cache", cache_local=True,
                        cache_limit=640, prefetch=2, transform=label)
     assert sorted(ds) == sorted(f"sample {i}" for i in range(40))
-    assert ds._cache.stats()["evicted"] > 0
+    assert ds._cache.get().stats()["evicted"] > 0
     assert sum(p.stat().st_size for p in (tmp_path / "cache" / "files").iterdir()) <= 640
 
 

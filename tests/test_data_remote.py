@@ -56,13 +56,13 @@ def test_remote_files_are_fetched_once_into_the_cache_and_found_warm(served, tmp
     ds = VolumeDataset(server.url + "/", pattern="shard*/*.bin", cache_dir=tmp_path / "cache", transform=first_line)
     assert ds.files == sorted(f"{server.url}/shard{i % 2}/item{i:03d}.bin" for i in range(30))
     assert dict(ds) == contents
-    stats = ds._cache.stats()
+    stats = ds._cache.get().stats()
     assert stats["fetched"] == 30 and stats["bytes_fetched"] == sum(map(len, contents.values()))
     assert not list((tmp_path / "cache" / "partial").iterdir())
 
     warm = VolumeDataset(server.url + "/", pattern="shard*/*.bin", cache_dir=tmp_path / "cache", transform=first_line)
     assert dict(warm) == contents
-    assert warm._cache.stats()["hits"] == 30 and warm._cache.stats()["fetched"] == 0
+    assert warm._cache.get().stats()["hits"] == 30 and warm._cache.get().stats()["fetched"] == 0
 
 
 def test_listing_leaves_no_client_session_for_a_forked_worker_to_close(served, tmp_path):
@@ -89,7 +89,7 @@ def test_a_small_cache_limit_evicts_and_still_serves_every_file(served, tmp_path
     ds = VolumeDataset(server.url + "/shard0/", cache_dir=tmp_path / "cache", cache_limit="200KB", prefetch=2,
                        transform=first_line)
     assert dict(ds) == {k: v for i, (k, v) in enumerate(sorted(contents.items(), key=lambda kv: int(kv[0][5:]))) if i % 2 == 0}
-    assert ds._cache.stats()["evicted"] > 0
+    assert ds._cache.get().stats()["evicted"] > 0
     assert sum(p.stat().st_size for p in (tmp_path / "cache" / "files").iterdir()) <= 200_000
 
 

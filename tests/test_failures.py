@@ -207,11 +207,13 @@ def test_unpicklable_return_value_names_the_rank_and_type():
 
 
 def test_missing_executable_is_an_error_before_the_run(monkeypatch):
-    from fanrun import _accelerators, _launcher
+    from fanrun import _accelerators
+    from fanrun._launch.program import RankProgram
+    from fanrun._launch.run import run
 
     plan = _accelerators.plan_run(2, None, _accelerators.detect())
-    with pytest.raises(fanrun.FanrunError, match="Rank 0 could not start: Cannot run '/nonexistent/python'"):
-        _launcher.run(name="x", plan=plan, program=_launcher.RankProgram.native(["/nonexistent/python"]), timeout=None)
+    with pytest.raises(fanrun.ExecutableNotFoundError, match="Rank 0 could not start: Cannot run '/nonexistent/python'"):
+        run(name="x", plan=plan, program=RankProgram.native(["/nonexistent/python"]), timeout=None)
 
 
 GPU_SEED_CODE = """

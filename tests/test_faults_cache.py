@@ -160,10 +160,10 @@ def test_a_cached_file_whose_change_time_moved_is_verified_then_served_without_a
         path.chmod(0o600)  # the same mode: only its change time moves
     again = dataset(tmp_path / "data", cache)
     assert by_name(again) == contents
-    stats = again._cache.stats()
+    stats = again._cache.get().stats()
     assert (stats["readmitted"], stats["fetched"], stats["rejected"]) == (2, 0, 0)
     assert by_name(again) == contents
-    assert again._cache.stats()["hits"] == 2
+    assert again._cache.get().stats()["hits"] == 2
 
 
 def test_a_source_whose_size_changed_is_fetched_again(tmp_path):
@@ -250,7 +250,7 @@ def test_links_planted_in_the_cache_are_never_followed(tmp_path, monkeypatch):
         (victims / name).write_bytes(b"V" * 2_000)  # the size of a sample, to be served if followed
     first = dataset(tmp_path / "data", cache, cache_limit="1MB")
     sources = first.files
-    first._open_cache()  # the cache is open and swept: what is planted now meets a fetch
+    first._cache.get()  # the cache is open and swept: what is planted now meets a fetch
 
     def plant(link: Path, target: Path) -> None:
         link.parent.mkdir(mode=0o700, exist_ok=True)
@@ -286,13 +286,13 @@ def test_a_planted_file_of_the_right_size_is_not_served(tmp_path):
     contents = make_sources(tmp_path / "data", 2, 3_000)
     cache = tmp_path / "cache"
     ds = dataset(tmp_path / "data", cache)
-    ds._open_cache()
+    ds._cache.get()
     theirs, unrecorded = (cached_path(cache, source) for source in ds.files)
     theirs.write_bytes(b"E" * 3_000)
     give_away(theirs)
     unrecorded.write_bytes(b"F" * 3_000)
     assert by_name(ds) == contents
-    assert ds._cache.stats()["fetched"] == 2
+    assert ds._cache.get().stats()["fetched"] == 2
 
 
 # ---------------------------------------------------------------- private to its owner

@@ -595,7 +595,7 @@ def test_export_never_replaces_a_destination_and_leaves_nothing_when_it_fails(tm
     import torch
 
     from fanrun.data import CheckpointCorruptError, CheckpointExistsError, VolumeWriter, export_dcp
-    from fanrun.data._checkpoint_layout import RECORD_NAME
+    from fanrun.data.checkpoint.layout import RECORD_NAME
 
     save_here({"w": torch.arange(4096.0)}, VolumeWriter(tmp_path / "fanrun"))
     (tmp_path / "taken").mkdir()

@@ -1,5 +1,5 @@
 """The launch fault matrix: a rank that misbehaves, a caller that dies, a machine that is asked
-too much. Each test is one row of docs/reliability/launch.md and says the promise it proves."""
+too much. Each test is one row of docs/reliability.md and says the promise it proves."""
 
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 import fanrun
-from fanrun import _paths, distributed
-from fanrun._worker import bootstrap_code
+from fanrun import distributed
+from fanrun._launch import paths as _paths
+from fanrun._rank.worker import bootstrap_code
 from processes import processes_of_runs_under
 
 NOBODY = 65534
@@ -238,7 +239,7 @@ def test_two_processes_pruning_at_once_each_keep_their_own_runs(runs_root):
     script = textwrap.dedent(
         """
         import sys
-        from fanrun import _paths
+        from fanrun._launch import paths as _paths
         _paths.KEEP_RUNS = 2
         for i in range(40):
             paths = _paths.RunPaths.create(sys.argv[1])

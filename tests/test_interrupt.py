@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from processes import alive, wait_gone
+from processes import alive, processes_with_environment, wait_gone
 
 CALLER = textwrap.dedent(
     """
@@ -66,8 +66,19 @@ def test_sigint_stops_every_rank_and_what_it_started(tmp_path):
     assert wait_gone(pids, timeout=5) == []
 
 
+def keepers_of(caller: subprocess.Popen) -> list[int]:
+    """The fanrun-keeper of each rank of `caller` (its command line names its owner's pid)."""
+    return [
+        pid
+        for pid, command in processes_with_environment(b"FANRUN_RUN_DIR=")
+        if command.split()[0].endswith("fanrun-keeper") and command.split()[1] == str(caller.pid)
+    ]
+
+
 def test_sigkill_of_the_caller_leaves_no_rank(tmp_path):
     caller, pids = start_caller(tmp_path)
+    keepers = keepers_of(caller)
+    assert len(keepers) == 2, keepers
     caller.kill()
     caller.wait(10)
     caller.stdout.close()
@@ -75,3 +86,5 @@ def test_sigkill_of_the_caller_leaves_no_rank(tmp_path):
     ranks = pids[0::2]
     assert wait_gone(ranks, timeout=10) == [], "a rank outlived its killed caller"
     assert wait_gone(pids[1::2], timeout=10) == [], "what a rank started outlived its killed caller"
+    # Each keeper kills and reaps what is left of its rank, then leaves.
+    assert wait_gone(keepers, timeout=10) == [], "a rank's keeper outlived its killed caller"

@@ -145,3 +145,54 @@ def test_a_kernel_that_initialised_cuda_launches_on_the_gpus(tmp_path, monkeypat
     assert stream_text(notebook.cells[0]) == "kernel CUDA context: cuda:0\n"
     assert "returned [3.0, 3.0]" in stream_text(notebook.cells[1])
     assert stream_text(notebook.cells[2]) == f"kernel tensor still usable: {1024.0 * 1024.0}\n"
+
+
+FAILING_CELLS = [
+    """from fanrun import distributed
+
+def check(batch):
+    if batch < 0:
+        raise ValueError(f"bad batch {batch}")
+
+@distributed(num_accelerators=2, tracking=False)
+def train():
+    import os, time
+    print("training", flush=True)
+    check(-int(os.environ["RANK"]))
+    time.sleep(60)
+
+train.distributed()""",
+    """@distributed(num_accelerators=2, timeout=3, tracking=False)
+def hang():
+    import time
+    time.sleep(60)
+
+hang.distributed()""",
+]
+
+
+def test_a_failure_in_a_cell_shows_the_rank_traceback_once_without_fanrun_frames(tmp_path):
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in FAILING_CELLS])
+    NotebookClient(notebook, timeout=120, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    failing, hanging = notebook.cells
+
+    (error,) = [o for o in failing.outputs if o.output_type == "error"]
+    assert error.ename == "ValueError" and "[rank 1] bad batch -1" in error.evalue
+    shown = "\n".join(error.traceback)
+    # The rank's traceback once, with the cell's source lines, and only the user's frames.
+    assert shown.count("bad batch -1") == 2, shown  # in the rank's traceback, and in the raised error
+    assert 'raise ValueError(f"bad batch {batch}")' in shown and "check(-int(os.environ" in shown
+    assert shown.count('raise ValueError(f"bad batch {batch}")') == 1
+    # Of fanrun's frames, only the line that raises for the caller: IPython always shows the last frame.
+    for fanrun_frame in ("_launch/", "_rank/", "_tracking", "backends/", "runpy"):
+        assert fanrun_frame not in shown, fanrun_frame
+    assert shown.count("site-packages/fanrun/") == 1, shown
+    assert "[rank0]: training" in stream_text(failing)
+    assert "Traceback" not in stream_text(failing, "stderr")  # not printed live as well
+
+    (timeout,) = [o for o in hanging.outputs if o.output_type == "error"]
+    assert timeout.ename == "RunTimeoutError"
+    stacks = "\n".join(timeout.traceback)
+    assert "in hang" in stacks and "time.sleep(60)" not in stream_text(hanging, "stderr")
+    assert "Current thread" not in stream_text(hanging, "stderr")  # the stacks once, in the error

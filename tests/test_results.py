@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fanrun import _result_file, distributed
+from fanrun import distributed
+from fanrun._rank import result_file as _result_file
 
 
 @distributed(num_accelerators=2)

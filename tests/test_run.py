@@ -9,7 +9,8 @@ import textwrap
 import threading
 
 import fanrun
-from fanrun import _paths, distributed
+from fanrun import distributed
+from fanrun._launch import paths as _paths
 
 TORCHRUN_VARIABLES = [
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",

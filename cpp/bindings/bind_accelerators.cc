@@ -1,18 +1,23 @@
 // Python access to GPU detection.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
+
+#include "call_without_gil.h"
 #include "fanrun/accelerators.h"
-#include "status_to_python.h"
 
 namespace nb = nanobind;
 
 namespace fanrun::bindings {
 namespace {
 
-nb::list GpusToPython(const std::vector<GpuInfo>& gpus) {
-  nb::list out;
+using DictList = nb::typed<nb::list, nb::dict>;
+
+DictList GpusToPython(const std::vector<GpuInfo>& gpus) {
+  DictList out;
   for (const auto& gpu : gpus) {
     nb::dict entry;
     entry["nvml_index"] = gpu.nvml_index;
@@ -24,7 +29,7 @@ nb::list GpusToPython(const std::vector<GpuInfo>& gpus) {
   return out;
 }
 
-std::vector<GpuInfo> GpusFromPython(const nb::list& gpus) {
+std::vector<GpuInfo> GpusFromPython(const DictList& gpus) {
   std::vector<GpuInfo> out;
   for (nb::handle item : gpus) {
     nb::dict entry = nb::cast<nb::dict>(item);
@@ -38,8 +43,8 @@ std::vector<GpuInfo> GpusFromPython(const nb::list& gpus) {
   return out;
 }
 
-nb::list SamplesToPython(const std::vector<GpuSample>& samples) {
-  nb::list out;
+DictList SamplesToPython(const std::vector<GpuSample>& samples) {
+  DictList out;
   for (const auto& sample : samples) {
     nb::dict entry;
     entry["nvml_index"] = sample.nvml_index;
@@ -55,69 +60,51 @@ nb::list SamplesToPython(const std::vector<GpuSample>& samples) {
 }  // namespace
 
 void BindAccelerators(nb::module_& m) {
-  // Every GPU of the machine, the driver version, and why there are none when there are none.
   m.def(
       "detect_gpus",
       [](const std::string& library) {
-        GpuInventory inventory;
-        {
-          nb::gil_scoped_release release;
-          inventory = DetectGpus(library);
-        }
-        nb::dict out;
+        const GpuInventory inventory = CallWithoutGil([&] { return DetectGpus(library); });
+        nb::typed<nb::dict, nb::str, nb::object> out;
         out["gpus"] = GpusToPython(inventory.gpus);
         out["driver_version"] = inventory.driver_version;
         out["note"] = inventory.note;
         return out;
       },
-      nb::arg("nvml_library"));
-  // The GPUs, in CUDA's order, that CUDA_VISIBLE_DEVICES=`visible` leaves to a process.
+      nb::arg("nvml_library"),
+      "Every GPU of the machine (gpus: one dict each, as apply_visible_devices takes them), the driver's\n"
+      "version (driver_version), and why there are none when there are none (note).");
   m.def(
       "apply_visible_devices",
-      [](const nb::list& gpus, const std::string& visible) {
+      [](const DictList& gpus, const std::string& visible) {
         return GpusToPython(ApplyVisibleDevices(GpusFromPython(gpus), true, visible));
       },
-      nb::arg("gpus"), nb::arg("visible"));
-  // Utilisation and memory of GPUs for system metrics, with NVML kept open between samples.
-  nb::class_<GpuSampler>(m, "GpuSampler")
-      // (sampler, "") or, where NVML cannot be used (no driver: the usual case on a CPU
-      // machine, not an error), (None, why).
+      nb::arg("gpus"), nb::arg("visible"),
+      "The GPUs, in CUDA's order, that CUDA_VISIBLE_DEVICES=`visible` leaves to a process; a GPU is\n"
+      "a dict of nvml_index, name, uuid and memory_total (bytes).");
+  nb::class_<GpuSampler>(m, "GpuSampler",
+                         "Utilisation and memory of GPUs for system metrics, with NVML kept open between samples.")
       .def_static(
           "open",
-          [](const std::string& library) {
-            std::unique_ptr<GpuSampler> sampler;
-            std::string why;
-            {
-              nb::gil_scoped_release release;
+          [](const std::string& library) -> nb::typed<nb::tuple, std::optional<GpuSampler>, std::string> {
+            auto [sampler, why] = CallWithoutGil([&] {
               Result<std::unique_ptr<GpuSampler>> opened = GpuSampler::Open(library);
-              if (opened.ok()) {
-                sampler = std::move(opened).ValueOrDie();
-              } else {
-                why = opened.status().message();
-              }
-            }
+              if (!opened.ok()) return std::pair{std::unique_ptr<GpuSampler>(), opened.status().message()};
+              return std::pair{std::move(opened).ValueOrDie(), std::string()};
+            });
             if (sampler == nullptr) return nb::make_tuple(nb::none(), why);
             return nb::make_tuple(nb::cast(sampler.release(), nb::rv_policy::take_ownership), std::string());
           },
-          nb::arg("nvml_library"))
+          nb::arg("nvml_library"),
+          "(sampler, \"\") or, where NVML cannot be used (no driver: the usual case on a CPU machine, not\n"
+          "an error; a driver too old), (None, why).")
       .def(
           "sample",
           [](GpuSampler& sampler, const std::vector<int>& nvml_indices) {
-            std::vector<GpuSample> samples;
-            Status status;
-            {
-              nb::gil_scoped_release release;
-              Result<std::vector<GpuSample>> sampled = sampler.Sample(nvml_indices);
-              if (sampled.ok()) {
-                samples = std::move(sampled).ValueOrDie();
-              } else {
-                status = sampled.status();
-              }
-            }
-            ThrowIfError(status);
-            return SamplesToPython(samples);
+            return SamplesToPython(CallWithoutGil([&] { return sampler.Sample(nvml_indices); }));
           },
-          nb::arg("nvml_indices"));
+          nb::arg("nvml_indices"),
+          "One dict per index, in order: nvml_index, utilization_percent, memory_used and memory_total\n"
+          "(bytes); a field NVML could not read is None, so that one silent GPU does not hide the rest.");
 }
 
 }  // namespace fanrun::bindings

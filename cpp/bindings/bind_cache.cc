@@ -8,6 +8,7 @@
 
 #include <memory>
 
+#include "call_without_gil.h"
 #include "fanrun/file_cache.h"
 #include "fanrun/http_fetch.h"
 #include "fanrun/prefetch_local.h"
@@ -17,6 +18,10 @@ namespace nb = nanobind;
 
 namespace fanrun::bindings {
 namespace {
+
+// Any object, as before any check; typed so that the stub says what it is for.
+using FetchCallable = nb::typed<nb::object, nb::typed<nb::callable, void(std::string, std::string)>>;
+using Counts = nb::typed<nb::dict, nb::str, uint64_t>;
 
 // Whether Python has a signal to deliver: its handler runs here, and a KeyboardInterrupt it
 // raises stays set, for the binding to raise once the engine has returned.
@@ -31,7 +36,7 @@ Status PythonSignals() {
 // released, or a thread waiting for the GIL would never finish.
 class PyFileCache {
  public:
-  PyFileCache(const std::string& dir, uint64_t limit_bytes, int threads, int attempts, nb::object fetch, bool native_http,
+  PyFileCache(const std::string& dir, uint64_t limit_bytes, int threads, int attempts, FetchCallable fetch, bool native_http,
               double fetch_timeout_s, int64_t min_rate_bytes, int64_t min_rate_seconds, const std::string& ca_file,
               const std::string& ca_dir)
       : fetch_(std::move(fetch)),
@@ -150,40 +155,49 @@ class PyLocalPrefetcher {
 }  // namespace
 
 void BindCache(nb::module_& m) {
-  nb::class_<PyLocalPrefetcher>(m, "LocalPrefetcher")
-      .def(nb::init<int>(), nb::arg("threads"))
-      .def_ro_static("READ_THROUGH_BYTES", &LocalPrefetcher::kReadThroughBytes)
+  auto prefetcher_class =
+      nb::class_<PyLocalPrefetcher>(m, "LocalPrefetcher",
+                                    "Native threads that bring local files not yet in the page cache into it: files of\n"
+                                    "READ_THROUGH_BYTES or more are read through, smaller ones get the kernel's readahead\n"
+                                    "(posix_fadvise WILLNEED); after a run of cached files, only one hint in 16 is looked at.");
+  prefetcher_class.def(nb::init<int>(), nb::arg("threads"))
       .def("hint", [](PyLocalPrefetcher& self, std::vector<std::string> paths) { self.prefetcher().Hint(std::move(paths)); },
            nb::arg("paths"))
       .def("drain",
            [](PyLocalPrefetcher& self) {
              LocalPrefetcher& prefetcher = self.prefetcher();
-             nb::gil_scoped_release release;
-             prefetcher.Drain();
+             CallWithoutGil([&] { prefetcher.Drain(); });
            })
       .def(
           "wait",
           [](PyLocalPrefetcher& self, const std::string& path) {
             LocalPrefetcher& prefetcher = self.prefetcher();
-            nb::gil_scoped_release release;
-            prefetcher.Wait(path);
+            CallWithoutGil([&] { prefetcher.Wait(path); });
           },
-          nb::arg("path"))
-      .def("stats", [](PyLocalPrefetcher& self) {
-        const LocalPrefetcher::Counts counts = self.prefetcher().counts();
-        nb::dict out;
-        out["hinted"] = counts.hinted;
-        out["resident"] = counts.resident;
-        out["skipped"] = counts.skipped;
-        out["failed"] = counts.failed;
-        return out;
-      });
-  nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable())
-      .def(nb::init<const std::string&, uint64_t, int, int, nb::object, bool, double, int64_t, int64_t, const std::string&,
-                    const std::string&>(),
+          nb::arg("path"), "Until the hints given so far for path are done: a large file is then in the page cache.")
+      .def(
+          "stats",
+          [](PyLocalPrefetcher& self) {
+            const LocalPrefetcher::Counts counts = self.prefetcher().counts();
+            Counts out;
+            out["hinted"] = counts.hinted;
+            out["resident"] = counts.resident;
+            out["skipped"] = counts.skipped;
+            out["failed"] = counts.failed;
+            return out;
+          },
+          "hinted, resident (already in the page cache), skipped (not looked at), failed.");
+  prefetcher_class.attr("READ_THROUGH_BYTES") = LocalPrefetcher::kReadThroughBytes;
+  nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable(),
+                          "A node-wide cache directory (file_cache.h) filled ahead of use by `threads` native threads.")
+      .def(nb::init<const std::string&, uint64_t, int, int, FetchCallable, bool, double, int64_t, int64_t,
+                    const std::string&, const std::string&>(),
            nb::arg("dir"), nb::arg("limit_bytes"), nb::arg("threads"), nb::arg("attempts"), nb::arg("fetch").none(),
            nb::arg("native_http") = false, nb::arg("fetch_timeout_s") = 0.0, nb::arg("min_rate_bytes") = 0,
-           nb::arg("min_rate_seconds") = 0, nb::arg("ca_file") = "", nb::arg("ca_dir") = "")
+           nb::arg("min_rate_seconds") = 0, nb::arg("ca_file") = "", nb::arg("ca_dir") = "",
+           "fetch(source, partial_path) writes a remote file, called on the cache's threads; None copies local\n"
+           "files. With native_http, the engine fetches http(s):// sources itself (libcurl) within these\n"
+           "limits (0: none; limit_bytes bounds a body too) and trusts ca_file / ca_dir (\"\": the system's).")
       .def(
           "prefetch",
           [](PyFileCache& self, const std::string& source, const std::string& name, int64_t size) {
@@ -195,21 +209,17 @@ void BindCache(nb::module_& m) {
           [](PyFileCache& self, const std::string& source, const std::string& name, int64_t size) {
             FileCache& cache = self.cache();
             const Interrupt interrupt = self.CallerInterrupt();
-            Result<std::string> path = Status::Internal("not acquired");
-            {
-              nb::gil_scoped_release release;
-              path = cache.Acquire(CacheItem{source, name, size}, interrupt);
-            }
-            if (PyErr_Occurred() != nullptr) throw nb::python_error();  // the signal's exception
-            return ValueOrThrow(std::move(path));
+            return CallWithoutGil([&] { return cache.Acquire(CacheItem{source, name, size}, interrupt); });
           },
-          nb::arg("source"), nb::arg("name"), nb::arg("size"))
+          nb::arg("source"), nb::arg("name"), nb::arg("size"),
+          "Waits (GIL released) and returns the cached path, in use until release(). A signal in the main\n"
+          "thread (Ctrl+C) ends the wait within about 0.1 s and raises its exception.")
       .def("release", [](PyFileCache& self, const std::string& name) { self.cache().Release(name); }, nb::arg("name"))
       .def("release_all", [](PyFileCache& self) { self.cache().ReleaseAll(); })
       .def("stats",
            [](PyFileCache& self) {
              CacheStats stats = self.cache().Stats();
-             nb::dict out;
+             Counts out;
              out["hits"] = stats.hits;
              out["fetched"] = stats.fetched;
              out["bytes_fetched"] = stats.bytes_fetched;
@@ -219,7 +229,8 @@ void BindCache(nb::module_& m) {
              out["readmitted"] = stats.readmitted;
              out["rejected"] = stats.rejected;
              return out;
-           })
+           },
+           "hits, fetched, bytes_fetched, retries, evicted, over_limit, readmitted, rejected (file_cache.h).")
       .def("close", &PyFileCache::Close);
 }
 

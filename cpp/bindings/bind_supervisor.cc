@@ -2,9 +2,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <tuple>
+
+#include "call_without_gil.h"
+#include "fanrun/run_contract.h"
 #include "fanrun/supervisor.h"
 #include "status_to_python.h"
 
@@ -13,20 +18,12 @@ namespace nb = nanobind;
 namespace fanrun::bindings {
 namespace {
 
-const char* StopReasonName(StopReason reason) {
-  switch (reason) {
-    case StopReason::kNone: return "none";
-    case StopReason::kRankFailed: return "rank_failed";
-    case StopReason::kTimeout: return "timeout";
-    case StopReason::kCancelled: return "cancelled";
-  }
-  return "none";
-}
+using ExitTuple = std::tuple<int, int>;  // (exit code, signal)
+using EventTuple = std::tuple<EventKind, int, int, SegmentKind, nb::bytes, ExitTuple>;
+//                            (kind, rank, stream, segment, text, exit)
+using WaitTuple = std::tuple<std::vector<EventTuple>, bool, bool>;  // (events, interrupted, done)
 
-nb::object ExitToPython(const std::optional<ExitStatus>& exit) {
-  if (!exit) return nb::none();
-  return nb::make_tuple(exit->exit_code, exit->term_signal);
-}
+ExitTuple ExitToPython(const ExitStatus& exit) { return {exit.exit_code, exit.term_signal}; }
 
 std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::string>>& argvs,
                                             const std::vector<std::vector<std::string>>& envs,
@@ -59,53 +56,67 @@ std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::s
   return ValueOrThrow(Supervisor::Start(std::move(options)));
 }
 
-// (events, interrupted, done); an event is (kind, rank, stream, segment, text, exit).
-nb::tuple Wait(Supervisor& supervisor, double max_wait_s) {
-  Result<WaitResult> result = Status::Internal("not waited");
-  {
-    nb::gil_scoped_release release;
-    result = supervisor.Wait(max_wait_s);
-  }
-  WaitResult batch = ValueOrThrow(std::move(result));
-  nb::list events;
+WaitTuple Wait(Supervisor& supervisor, double max_wait_s) {
+  const WaitResult batch = CallWithoutGil([&] { return supervisor.Wait(max_wait_s); });
+  std::vector<EventTuple> events;
+  events.reserve(batch.events.size());
   for (const Event& event : batch.events) {
-    events.append(nb::make_tuple(static_cast<int>(event.kind), event.rank, event.stream,
-                                 static_cast<int>(event.segment),
-                                 nb::bytes(event.text.data(), event.text.size()),
-                                 nb::make_tuple(event.exit.exit_code, event.exit.term_signal)));
+    events.emplace_back(event.kind, event.rank, event.stream, event.segment,
+                        nb::bytes(event.text.data(), event.text.size()), ExitToPython(event.exit));
   }
-  return nb::make_tuple(events, batch.interrupted, batch.done);
+  return {std::move(events), batch.interrupted, batch.done};
 }
 
 }  // namespace
 
 void BindSupervisor(nb::module_& m) {
-  m.attr("EVENT_OUTPUT") = static_cast<int>(EventKind::kOutput);
-  m.attr("EVENT_RANK_FAILED") = static_cast<int>(EventKind::kRankFailed);
-  m.attr("EVENT_RANK_EXITED") = static_cast<int>(EventKind::kRankExited);
-  m.attr("EVENT_TIMED_OUT") = static_cast<int>(EventKind::kTimedOut);
-  m.attr("SEGMENT_LINE") = static_cast<int>(SegmentKind::kLine);
-  m.attr("SEGMENT_PARTIAL") = static_cast<int>(SegmentKind::kPartial);
-  m.attr("SEGMENT_PROGRESS") = static_cast<int>(SegmentKind::kProgress);
+  // The run contract (run_contract.h); src/fanrun/_run_contract.py holds the same messages.
+  m.attr("CONTROL_FD") = kControlFd;
+  m.attr("CONTROL_FAILED") = std::string(kControlFailed);
+  m.attr("CONTROL_DONE") = std::string(kControlDone);
+  m.attr("CONTROL_LOG") = std::string(kControlLog);
+  nb::enum_<EventKind>(m, "EventKind", "What Supervisor.wait reports.")
+      .value("OUTPUT", EventKind::kOutput, "A piece of a rank's output: (stream, segment, text).")
+      .value("RANK_FAILED", EventKind::kRankFailed, "A rank reported its failure on its control channel.")
+      .value("RANK_EXITED", EventKind::kRankExited, "A rank has exited and been reaped: (exit code, signal).")
+      .value("TIMED_OUT", EventKind::kTimedOut,
+             "The timeout struck just now: the stack-dump signal is out, the ranks still run.");
+  nb::enum_<SegmentKind>(m, "SegmentKind", "What a piece of a rank's output is.")
+      .value("LINE", SegmentKind::kLine, "A line, ended by a newline or by the end of the stream.")
+      .value("PARTIAL", SegmentKind::kPartial,
+             "The start of a line not ended yet; the segments that follow go on with the same line.")
+      .value("PROGRESS", SegmentKind::kProgress, "The current text of a line being redrawn with a carriage return.");
+  nb::enum_<StopReason>(m, "StopReason", "Why a run stopped early.")
+      .value("NONE", StopReason::kNone, "It has not.")
+      .value("RANK_FAILED", StopReason::kRankFailed, "A rank failed: Supervisor.first_failed_rank.")
+      .value("TIMEOUT", StopReason::kTimeout, "The timeout struck: Supervisor.ranks_running_at_timeout.")
+      .value("CANCELLED", StopReason::kCancelled, "Supervisor.cancel() was called.");
 
   nb::class_<Supervisor>(m, "Supervisor")
       .def_static("start", &StartSupervisor, nb::arg("argvs"), nb::arg("envs"), nb::arg("cwd"),
                   nb::arg("log_paths"), nb::arg("timeout_s"), nb::arg("kill_grace_s"),
                   nb::arg("stack_dump_signal"), nb::arg("stack_dump_wait_s"), nb::arg("wakeup_fd"),
                   nb::arg("control_channel"), nb::arg("expect_done"), nb::arg("keeper"))
-      .def("wait", &Wait, nb::arg("max_wait_s") = -1.0)
+      .def("wait", &Wait, nb::arg("max_wait_s") = -1.0,
+           "(events, interrupted, done); an event is (kind, rank, stream, segment, text, (exit code, signal)),\n"
+           "stream 1 for stdout and 2 for stderr. With max_wait_s >= 0 it returns after that long at the\n"
+           "latest, even with no events.")
       .def("cancel", &Supervisor::Cancel)
-      .def("kill_and_reap", [](Supervisor& s) {
-        nb::gil_scoped_release release;
-        s.KillAndReap();
-      })
+      .def("kill_and_reap", [](Supervisor& s) { CallWithoutGil([&] { s.KillAndReap(); }); })
       .def_prop_ro("world_size", &Supervisor::world_size)
       .def_prop_ro("first_failed_rank", &Supervisor::first_failed_rank)
-      .def_prop_ro("stop_reason", [](const Supervisor& s) { return StopReasonName(s.stop_reason()); })
+      .def_prop_ro("stop_reason", &Supervisor::stop_reason)
       .def_prop_ro("ranks_running_at_timeout", &Supervisor::ranks_running_at_timeout)
-      .def("pid", &Supervisor::pid)
-      .def("log_path", &Supervisor::log_path)
-      .def("exit_status", [](const Supervisor& s, int rank) { return ExitToPython(s.exit_status(rank)); });
+      .def("pid", &Supervisor::pid, nb::arg("rank"))
+      .def("log_path", &Supervisor::log_path, nb::arg("rank"))
+      .def(
+          "exit_status",
+          [](const Supervisor& s, int rank) -> std::optional<ExitTuple> {
+            const std::optional<ExitStatus> exit = s.exit_status(rank);
+            if (!exit) return std::nullopt;
+            return ExitToPython(*exit);
+          },
+          nb::arg("rank"), "(exit code, signal) once the rank has exited, else None.");
 }
 
 }  // namespace fanrun::bindings

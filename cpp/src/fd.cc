@@ -1,4 +1,4 @@
-// Owned file descriptors and pipes.
+// Owned file descriptors, pipes and directory listings.
 #include "fanrun/fd.h"
 
 #include <fcntl.h>
@@ -100,6 +100,43 @@ Status WriteAll(int fd, const void* data, size_t size) {
     size -= static_cast<size_t>(n);
   }
   return Status::OK();
+}
+
+Result<DirectoryListing> DirectoryListing::Open(const std::string& path) {
+  return FromDescriptor(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), path);
+}
+
+Result<DirectoryListing> DirectoryListing::OpenAt(int dir_fd, const std::string& path) {
+  return FromDescriptor(::openat(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC), path);
+}
+
+Result<DirectoryListing> DirectoryListing::FromDescriptor(int fd, const std::string& path) {
+  if (fd < 0) return Status::IOErrorFromErrno(errno, "Failed to list '", path, "'");
+  DIR* dir = ::fdopendir(fd);
+  if (dir == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    return Status::IOErrorFromErrno(err, "Failed to list '", path, "'");
+  }
+  return DirectoryListing(dir);
+}
+
+DirectoryListing& DirectoryListing::operator=(DirectoryListing&& other) noexcept {
+  if (this != &other) {
+    if (dir_ != nullptr) ::closedir(dir_);
+    dir_ = other.dir_;
+    other.dir_ = nullptr;
+  }
+  return *this;
+}
+
+DirectoryListing::~DirectoryListing() {
+  if (dir_ != nullptr) ::closedir(dir_);
+}
+
+const char* DirectoryListing::Next() {
+  const dirent* entry = ::readdir(dir_);
+  return entry != nullptr ? entry->d_name : nullptr;
 }
 
 }  // namespace fanrun

@@ -7,7 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 namespace fanrun {
 namespace {
@@ -73,6 +75,66 @@ TEST(FileDescriptorTest, OutOfDescriptorsNamesTheLimitAndTheWayOut) {
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the error did not name the descriptor limit";
+}
+
+// The names a listing gives, sorted.
+std::vector<std::string> Names(DirectoryListing& listing) {
+  std::vector<std::string> names;
+  while (const char* name = listing.Next()) names.emplace_back(name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+int OpenDescriptors() {
+  Result<DirectoryListing> fds = DirectoryListing::Open("/proc/self/fd");
+  return fds.ok() ? static_cast<int>(Names(*fds).size()) : -1;
+}
+
+TEST(DirectoryListingTest, ListsEveryEntryAndClosesItsDescriptor) {
+  char dir[] = "/tmp/fanrun-listing-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string path = dir;
+  ASSERT_TRUE(OpenFile(path + "/a", O_WRONLY | O_CREAT).ok());
+  ASSERT_TRUE(OpenFile(path + "/b", O_WRONLY | O_CREAT).ok());
+  const int before = OpenDescriptors();
+  {
+    Result<DirectoryListing> listing = DirectoryListing::Open(path);
+    ASSERT_TRUE(listing.ok()) << listing.status().message();
+    DirectoryListing moved(std::move(listing).ValueOrDie());
+    EXPECT_EQ(Names(moved), (std::vector<std::string>{".", "..", "a", "b"}));
+    EXPECT_EQ(moved.Next(), nullptr);
+  }
+  EXPECT_EQ(OpenDescriptors(), before);
+  ::unlink((path + "/a").c_str());
+  ::unlink((path + "/b").c_str());
+  ::rmdir(dir);
+}
+
+TEST(DirectoryListingTest, OpenAtLeavesTheDirectoryDescriptorAsItWas) {
+  char dir[] = "/tmp/fanrun-listing-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string path = dir;
+  ASSERT_TRUE(OpenFile(path + "/only", O_WRONLY | O_CREAT).ok());
+  auto opened = OpenFile(path, O_RDONLY | O_DIRECTORY);
+  ASSERT_TRUE(opened.ok());
+  for (int round = 0; round < 2; ++round) {  // each listing starts at the first entry
+    Result<DirectoryListing> listing = DirectoryListing::OpenAt(opened->fd(), path);
+    ASSERT_TRUE(listing.ok()) << listing.status().message();
+    EXPECT_EQ(Names(*listing), (std::vector<std::string>{".", "..", "only"}));
+  }
+  EXPECT_EQ(::lseek(opened->fd(), 0, SEEK_CUR), 0);
+  EXPECT_GE(::fcntl(opened->fd(), F_GETFD), 0);
+  ::unlink((path + "/only").c_str());
+  ::rmdir(dir);
+}
+
+TEST(DirectoryListingTest, AMissingDirectoryNamesItsPath) {
+  Result<DirectoryListing> listing = DirectoryListing::Open("/nonexistent/fanrun");
+  ASSERT_FALSE(listing.ok());
+  EXPECT_NE(listing.status().message().find("Failed to list '/nonexistent/fanrun'"), std::string::npos)
+      << listing.status().message();
+  Result<DirectoryListing> file = DirectoryListing::Open("/proc/self/status");
+  EXPECT_FALSE(file.ok());
 }
 
 }  // namespace

@@ -1,7 +1,6 @@
 // FileCache: fetch threads, cross-process locking and least-recently-used eviction.
 #include "fanrun/file_cache.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -12,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "fanrun/checkpoint_crc32c.h"
 
@@ -185,18 +185,15 @@ Result<std::unique_ptr<FileCache>> FileCache::Open(CacheOptions options, Fetcher
   options.dir = dirs.root.path;
 
   // A fetcher that died left its partial file; nobody holds its lock now, so it goes.
-  const int listed = ::openat(dirs.partial.fd(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (DIR* dir = listed >= 0 ? ::fdopendir(listed) : nullptr) {
-    while (struct dirent* entry = ::readdir(dir)) {
-      const std::string name = entry->d_name;
+  Result<DirectoryListing> partial = DirectoryListing::OpenAt(dirs.partial.fd(), options.dir + "/partial");
+  if (partial.ok()) {
+    while (const char* entry = partial->Next()) {
+      const std::string name = entry;
       if (name[0] == '.') continue;
       Result<FileDescriptor> lock = OpenInDirectory(dirs.locks.fd(), options.dir + "/locks", name, O_RDWR | O_CREAT);
       if (!lock.ok()) continue;
       if (::flock(lock->fd(), LOCK_EX | LOCK_NB) == 0) ::unlinkat(dirs.partial.fd(), name.c_str(), 0);
     }
-    ::closedir(dir);
-  } else if (listed >= 0) {
-    ::close(listed);
   }
   std::unique_ptr<FileCache> cache(
       new FileCache(std::move(options), std::move(fetcher), std::move(dirs), FileDescriptor(usage), ReadBootId()));
@@ -209,18 +206,16 @@ FileCache::FileCache(CacheOptions options, Fetcher fetcher, Directories dirs, Fi
       fetcher_(std::move(fetcher)),
       dirs_(std::move(dirs)),
       boot_(boot),
-      usage_(std::move(usage)) {
-  for (int i = 0; i < options_.threads; ++i) threads_.emplace_back([this] { Run(); });
-}
+      usage_(std::move(usage)),
+      pool_(options_.threads, [this](const std::string& name) { FetchQueued(name); }) {}
 
 FileCache::~FileCache() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
-  work_ready_.notify_all();
   entry_done_.notify_all();
-  for (auto& thread : threads_) thread.join();
+  pool_.Stop();
 }
 
 std::string FileCache::FilePath(const std::string& name) const { return options_.dir + "/files/" + name; }
@@ -234,8 +229,7 @@ Status FileCache::Prefetch(const CacheItem& item) {
     return Status::OK();
   }
   it->second.item = item;
-  queue_.push_back(item.name);
-  work_ready_.notify_one();
+  pool_.Submit(item.name);
   return Status::OK();
 }
 
@@ -294,7 +288,7 @@ void FileCache::Release(const std::string& name) {
 
 void FileCache::ReleaseAll() {
   std::lock_guard<std::mutex> lock(mutex_);
-  queue_.clear();
+  pool_.Clear();
   for (auto it = entries_.begin(); it != entries_.end();) {
     if (it->second.state == State::kFetching) {
       it->second.released = true;
@@ -310,22 +304,18 @@ CacheStats FileCache::Stats() const {
   return stats_;
 }
 
-void FileCache::Run() {
+void FileCache::FetchQueued(const std::string& name) {
   std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-    if (stopping_) return;
-    const std::string name = queue_.front();
-    queue_.pop_front();
-    auto it = entries_.find(name);
-    if (it == entries_.end() || it->second.state != State::kQueued) continue;
-    it->second.state = State::kFetching;
-    const CacheItem item = it->second.item;
-    lock.unlock();
-    Result<FileDescriptor> pin = Materialize(item, nullptr);
-    lock.lock();
-    Finish(name, std::move(pin));
-  }
+  if (stopping_) return;
+  auto it = entries_.find(name);
+  // Released since, or taken by an Acquire on the caller's thread.
+  if (it == entries_.end() || it->second.state != State::kQueued) return;
+  it->second.state = State::kFetching;
+  const CacheItem item = it->second.item;
+  lock.unlock();
+  Result<FileDescriptor> pin = Materialize(item, nullptr);
+  lock.lock();
+  Finish(name, std::move(pin));
 }
 
 void FileCache::Finish(const std::string& name, Result<FileDescriptor> pin) {
@@ -607,26 +597,17 @@ Result<uint64_t> FileCache::EvictUntil(uint64_t need) {
     std::string name;
   };
   const int files = dirs_.files.fd();
-  const int listed = ::openat(files, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);  // its own offset for readdir
-  DIR* dir = listed >= 0 ? ::fdopendir(listed) : nullptr;
-  if (dir == nullptr) {
-    const int err = errno;
-    if (listed >= 0) ::close(listed);
-    return Status::IOErrorFromErrno(err, "Failed to list '", options_.dir, "/files'");
-  }
+  FANRUN_ASSIGN_OR_RETURN(DirectoryListing listing, DirectoryListing::OpenAt(files, options_.dir + "/files"));
   std::vector<Candidate> candidates;
   uint64_t total = 0;
-  while (struct dirent* entry = ::readdir(dir)) {
+  while (const char* name = listing.Next()) {
     struct stat st, record;
-    if (entry->d_name[0] == '.' || ::fstatat(files, entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) {
-      continue;
-    }
+    if (name[0] == '.' || ::fstatat(files, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) continue;
     total += static_cast<uint64_t>(st.st_size);
     // Last used when its record was last touched; a file without one goes first.
-    const bool recorded = ::fstatat(dirs_.records.fd(), entry->d_name, &record, AT_SYMLINK_NOFOLLOW) == 0;
-    candidates.push_back({recorded ? record.st_mtim : timespec{0, 0}, static_cast<uint64_t>(st.st_size), entry->d_name});
+    const bool recorded = ::fstatat(dirs_.records.fd(), name, &record, AT_SYMLINK_NOFOLLOW) == 0;
+    candidates.push_back({recorded ? record.st_mtim : timespec{0, 0}, static_cast<uint64_t>(st.st_size), name});
   }
-  ::closedir(dir);
   const uint64_t limit = options_.limit_bytes;
   const uint64_t goal = limit > need ? limit - need : 0;
   if (total <= goal) return total;

@@ -2,7 +2,6 @@
 // damaged and planted files, and a directory no one else may use.
 #include "fanrun/file_cache.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -53,12 +52,11 @@ class FileCacheTest : public ::testing::Test {
 
   std::vector<std::string> Listing(const std::string& sub) {
     std::vector<std::string> names;
-    DIR* dir = ::opendir((cache_dir_ + "/" + sub).c_str());
-    if (dir == nullptr) return names;
-    while (struct dirent* entry = ::readdir(dir)) {
-      if (entry->d_name[0] != '.') names.push_back(entry->d_name);
+    Result<DirectoryListing> listing = DirectoryListing::Open(cache_dir_ + "/" + sub);
+    if (!listing.ok()) return names;
+    while (const char* name = listing->Next()) {
+      if (name[0] != '.') names.push_back(name);
     }
-    ::closedir(dir);
     std::sort(names.begin(), names.end());
     return names;
   }

@@ -2,7 +2,6 @@
 // process the program starts stays its descendant, in whatever process group or session.
 // When the program ends, or its owner says so or goes away, it kills every descendant,
 // reaps them, reports how the program ended and leaves: no process of a run outlives it.
-#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -25,6 +24,7 @@
 
 #include "fanrun/fd.h"
 #include "fanrun/process.h"
+#include "fanrun/run_contract.h"
 #include "keeper_protocol_internal.h"
 
 extern char** environ;
@@ -33,7 +33,6 @@ namespace fanrun::keeper {
 namespace {
 
 constexpr int kChannel = 0;  // the socket to the owner
-constexpr int kControl = 3;  // the rank's control channel, handed on as the program's fd 3
 // How long what is left gets to die after SIGKILL (a process stuck in the kernel dies only when
 // it leaves it) before the keeper reports anyway rather than hold up the caller.
 constexpr auto kKillDeadline = std::chrono::seconds(10);
@@ -51,12 +50,11 @@ std::string ReadSmallFile(const std::string& path) {
 
 std::vector<std::string> NumericEntries(const std::string& directory) {
   std::vector<std::string> names;
-  DIR* dir = ::opendir(directory.c_str());
-  if (dir == nullptr) return names;
-  while (const dirent* entry = ::readdir(dir)) {
-    if (std::isdigit(static_cast<unsigned char>(entry->d_name[0]))) names.emplace_back(entry->d_name);
+  Result<DirectoryListing> listing = DirectoryListing::Open(directory);
+  if (!listing.ok()) return names;
+  while (const char* name = listing->Next()) {
+    if (std::isdigit(static_cast<unsigned char>(name[0]))) names.emplace_back(name);
   }
-  ::closedir(dir);
   return names;
 }
 
@@ -144,7 +142,7 @@ class Keeper {
 
 int Keeper::Run(const char* directory, const char* path, char** argv) {
   // Before the keeper opens anything, which could take number 3 when no channel is there.
-  control_ = ::fcntl(kControl, F_GETFD) >= 0;
+  control_ = ::fcntl(kControlFd, F_GETFD) >= 0;  // the rank's control channel, handed on to the program
   Status st = Prepare();
   if (st.ok() && OwnerGone()) return 1;  // before the parent-death signal was armed: nothing started yet
   if (st.ok()) st = Start(directory, path, argv);
@@ -207,10 +205,10 @@ Status Keeper::Start(const char* directory, const char* path, char** argv) {
   for (char** entry = environ; *entry != nullptr; ++entry) options.env.emplace_back(*entry);
   options.stdout_fd = 1;
   options.stderr_fd = 2;
-  if (control_) options.control_fd = kControl;
+  if (control_) options.control_fd = kControlFd;
   FANRUN_ASSIGN_OR_RETURN(ChildProcess child, Spawn(options));
   program_.emplace(std::move(child));
-  if (control_) ::close(kControl);  // the channel's end of the rank is the program's alone
+  if (control_) ::close(kControlFd);  // the channel's end of the rank is the program's alone
   return Status::OK();
 }
 

@@ -15,22 +15,20 @@
 
 namespace fanrun {
 
-LocalPrefetcher::LocalPrefetcher(int threads) {
+LocalPrefetcher::LocalPrefetcher(int threads) : pool_(threads, [this](const std::string& path) { Give(path); }) {
   Result<FileDescriptor> null = OpenFile("/dev/null", O_WRONLY);
   if (null.ok()) null_ = std::move(*null);
-  for (int i = 0; i < (threads < 1 ? 1 : threads); ++i) threads_.emplace_back([this] { Run(); });
 }
 
 LocalPrefetcher::~LocalPrefetcher() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
-    queue_.clear();
     pending_.clear();
+    pool_.Clear();
   }
   given_.notify_all();
-  work_ready_.notify_all();
-  for (auto& thread : threads_) thread.join();
+  pool_.Stop();
 }
 
 namespace {
@@ -64,20 +62,17 @@ bool LastPageCached(int fd, off_t size) {
 }  // namespace
 
 void LocalPrefetcher::Hint(std::vector<std::string> paths) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const size_t queued = queue_.size();
-    for (auto& path : paths) {
-      if (resident_streak_ >= kResidentStreak && since_probe_++ % kProbeEvery != 0) {
-        ++counts_.skipped;
-        continue;
-      }
-      ++pending_[path];
-      queue_.push_back(std::move(path));
+  std::vector<std::string> given;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& path : paths) {
+    if (resident_streak_ >= kResidentStreak && since_probe_++ % kProbeEvery != 0) {
+      ++counts_.skipped;
+      continue;
     }
-    if (queue_.size() == queued) return;
+    ++pending_[path];
+    given.push_back(std::move(path));
   }
-  work_ready_.notify_one();
+  pool_.Submit(std::move(given));
 }
 
 void LocalPrefetcher::Drain() {
@@ -106,37 +101,30 @@ bool LocalPrefetcher::ReadThrough(int fd, off_t size) {
   return true;
 }
 
-void LocalPrefetcher::Run() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-    if (stopping_) return;
-    const std::string path = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
-    enum { kFailed, kResident, kHinted } outcome = kFailed;
-    Result<FileDescriptor> file = OpenFile(path, O_RDONLY);
-    struct stat st {};
-    if (file.ok() && ::fstat(file->fd(), &st) == 0) {
-      if (LastPageCached(file->fd(), st.st_size)) {
-        outcome = kResident;
-      } else if (st.st_size >= kReadThroughBytes && ReadThrough(file->fd(), st.st_size)) {
-        outcome = kHinted;
-      } else if (::posix_fadvise(file->fd(), 0, 0, POSIX_FADV_WILLNEED) == 0) {
-        outcome = kHinted;
-      }
+void LocalPrefetcher::Give(const std::string& path) {
+  if (stopping_) return;
+  enum { kFailed, kResident, kHinted } outcome = kFailed;
+  Result<FileDescriptor> file = OpenFile(path, O_RDONLY);
+  struct stat st {};
+  if (file.ok() && ::fstat(file->fd(), &st) == 0) {
+    if (LastPageCached(file->fd(), st.st_size)) {
+      outcome = kResident;
+    } else if (st.st_size >= kReadThroughBytes && ReadThrough(file->fd(), st.st_size)) {
+      outcome = kHinted;
+    } else if (::posix_fadvise(file->fd(), 0, 0, POSIX_FADV_WILLNEED) == 0) {
+      outcome = kHinted;
     }
-    lock.lock();
-    if (const auto it = pending_.find(path); it != pending_.end() && --it->second == 0) pending_.erase(it);
-    given_.notify_all();
-    if (outcome == kResident) {
-      ++counts_.resident;
-      ++resident_streak_;
-    } else {
-      ++(outcome == kHinted ? counts_.hinted : counts_.failed);
-      resident_streak_ = 0;
-      since_probe_ = 0;
-    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (const auto it = pending_.find(path); it != pending_.end() && --it->second == 0) pending_.erase(it);
+  given_.notify_all();
+  if (outcome == kResident) {
+    ++counts_.resident;
+    ++resident_streak_;
+  } else {
+    ++(outcome == kHinted ? counts_.hinted : counts_.failed);
+    resident_streak_ = 0;
+    since_probe_ = 0;
   }
 }
 

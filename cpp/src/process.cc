@@ -11,10 +11,12 @@
 
 #include <cstring>
 
+#include "fanrun/run_contract.h"
+
 namespace fanrun {
 namespace {
 
-// Sources are moved above this before fork so that dup2 onto 0..3 never clobbers one.
+// Sources are moved above this before fork so that dup2 onto 0..kControlFd never clobbers one.
 constexpr int kHighFd = 64;
 
 struct ExecFailure {
@@ -64,10 +66,10 @@ bool IsExecutableFile(const std::string& path) {
   if (::dup2(stdin_fd, 0) < 0) fail(kStepDup);
   if (stdout_fd >= 0 && ::dup2(stdout_fd, 1) < 0) fail(kStepDup);
   if (stderr_fd >= 0 && ::dup2(stderr_fd, 2) < 0) fail(kStepDup);
-  if (control_fd >= 0 && ::dup2(control_fd, 3) < 0) fail(kStepDup);
+  if (control_fd >= 0 && ::dup2(control_fd, kControlFd) < 0) fail(kStepDup);
   // Close what the caller leaked without close-on-exec; keep the report pipe,
   // which closes itself at exec.
-  const unsigned first_closed = control_fd >= 0 ? 4U : 3U;
+  const unsigned first_closed = static_cast<unsigned>(control_fd >= 0 ? kControlFd + 1 : kControlFd);
   ::syscall(SYS_close_range, first_closed, static_cast<unsigned>(report_fd - 1), 0U);
   ::syscall(SYS_close_range, static_cast<unsigned>(report_fd + 1), ~0U, 0U);
   if (!options.cwd.empty() && ::chdir(options.cwd.c_str()) != 0) fail(kStepChdir);

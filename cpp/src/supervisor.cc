@@ -14,11 +14,16 @@ namespace fanrun {
 namespace {
 
 constexpr size_t kReadChunk = 64 * 1024;
-// The messages a rank sends on its control channel, one a line.
-constexpr std::string_view kFailedMessage = "failed";
-constexpr std::string_view kDoneMessage = "done";
+constexpr size_t kLongestLogText = 4 << 20;
 // A year bounds every period: beyond it the clock arithmetic would overflow.
 constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
+
+// What a descriptor that Wait() polls stands for, besides its rank.
+enum class Watched { kExit, kStdout, kStderr, kControl };
+struct PollSlot {
+  size_t rank;
+  Watched what;
+};
 
 std::chrono::steady_clock::duration Seconds(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
@@ -143,14 +148,18 @@ void Supervisor::ShowHeldOutput(Clock::time_point now, std::vector<Event>& event
   }
 }
 
-void Supervisor::DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
-  // The rank has exited, so all it wrote is in the pipe: read to the end, but do not
-  // wait for processes it left behind that still hold the pipe.
+void Supervisor::PumpAvailable(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
   while (stream.fd.valid()) {
     pollfd p{stream.fd.fd(), POLLIN, 0};
     if (::poll(&p, 1, 0) <= 0) break;
     PumpStream(rank, stream, number, events);
   }
+}
+
+void Supervisor::DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
+  // The rank has exited, so all it wrote is in the pipe: read to the end, but do not
+  // wait for processes it left behind that still hold the pipe.
+  PumpAvailable(rank, stream, number, events);
   if (stream.fd.valid()) {
     auto emit = [&](SegmentKind kind, std::string_view text) {
       events.push_back(Event{EventKind::kOutput, static_cast<int>(rank), number, kind, std::string(text), {}});
@@ -173,11 +182,31 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
   size_t newline;
   while ((newline = r.control_buffer.find('\n')) != std::string::npos) {
     const std::string message = r.control_buffer.substr(0, newline);
+    if (message.compare(0, kControlLog.size(), kControlLog) == 0) {
+      const std::string digits = message.substr(kControlLog.size());
+      const bool valid = !digits.empty() && digits.size() <= 8 &&
+                         digits.find_first_not_of("0123456789") == std::string::npos &&
+                         std::stoul(digits) <= kLongestLogText;
+      if (!valid) {  // not one of fanrun's messages: dropped, like any unknown line
+        r.control_buffer.erase(0, newline + 1);
+        continue;
+      }
+      const size_t length = std::stoul(digits);
+      if (r.control_buffer.size() < newline + 1 + length) break;  // the rest is on its way
+      // What the rank wrote before it is in its pipes already: logged first, to keep the order.
+      PumpAvailable(rank, *r.out, 1, events);
+      PumpAvailable(rank, *r.err, 2, events);
+      if (r.log.valid()) {
+        FANRUN_WARN_NOT_OK(WriteAll(r.log.fd(), r.control_buffer.data() + newline + 1, length), "writing a rank's log");
+      }
+      r.control_buffer.erase(0, newline + 1 + length);
+      continue;
+    }
     r.control_buffer.erase(0, newline + 1);
-    if (message == kFailedMessage) {
+    if (message == kControlFailed) {
       events.push_back(Event{EventKind::kRankFailed, static_cast<int>(rank), 0, SegmentKind::kLine, {}, {}});
       OnFailure(rank);
-    } else if (message == kDoneMessage) {
+    } else if (message == kControlDone) {
       r.done = true;
     }
   }
@@ -280,17 +309,20 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s) {
       return result;
     }
     if (!result.events.empty()) return result;  // the timeout struck: say so while the ranks still run
-    // What each poll slot stands for: (rank, 0 pidfd | 1 stdout | 2 stderr | 3 control).
+    // fds[k] stands for slots[k]; the wakeup fd, last, has no slot.
     std::vector<pollfd> fds;
-    std::vector<std::pair<size_t, int>> slots;
+    std::vector<PollSlot> slots;
+    auto watch = [&](int fd, size_t rank, Watched what) {
+      fds.push_back({fd, POLLIN, 0});
+      slots.push_back({rank, what});
+    };
     for (size_t i = 0; i < ranks_.size(); ++i) {
       Rank& r = ranks_[i];
       if (r.exit) continue;
-      fds.push_back({r.process->pidfd(), POLLIN, 0});
-      slots.emplace_back(i, 0);
-      if (r.out->fd.valid()) { fds.push_back({r.out->fd.fd(), POLLIN, 0}); slots.emplace_back(i, 1); }
-      if (r.err->fd.valid()) { fds.push_back({r.err->fd.fd(), POLLIN, 0}); slots.emplace_back(i, 2); }
-      if (r.control.valid()) { fds.push_back({r.control.fd(), POLLIN, 0}); slots.emplace_back(i, 3); }
+      watch(r.process->pidfd(), i, Watched::kExit);
+      if (r.out->fd.valid()) watch(r.out->fd.fd(), i, Watched::kStdout);
+      if (r.err->fd.valid()) watch(r.err->fd.fd(), i, Watched::kStderr);
+      if (r.control.valid()) watch(r.control.fd(), i, Watched::kControl);
     }
     if (options_.wakeup_fd >= 0) fds.push_back({options_.wakeup_fd, POLLIN, 0});
 
@@ -308,7 +340,7 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s) {
       Rank& r = ranks_[i];
       if (r.exit) continue;  // already handled in this round
       switch (what) {
-        case 0: {
+        case Watched::kExit: {
           FANRUN_ASSIGN_OR_RETURN(std::optional<ExitStatus> status, r.process->TryReap());
           if (status) {
             r.exit = status;
@@ -316,9 +348,9 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s) {
           }
           break;
         }
-        case 1: PumpStream(i, *r.out, 1, result.events); break;
-        case 2: PumpStream(i, *r.err, 2, result.events); break;
-        case 3: PumpControl(i, result.events); break;
+        case Watched::kStdout: PumpStream(i, *r.out, 1, result.events); break;
+        case Watched::kStderr: PumpStream(i, *r.err, 2, result.events); break;
+        case Watched::kControl: PumpControl(i, result.events); break;
       }
     }
     ShowHeldOutput(Clock::now(), result.events);

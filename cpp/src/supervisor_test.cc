@@ -123,6 +123,27 @@ TEST_F(SupervisorTest, ControlChannelReportsAFailureBeforeTheRankExits) {
   EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
 }
 
+TEST_F(SupervisorTest, TextSentForTheLogAloneIsLoggedInOrderAndNotShown) {
+  // The traceback arrives on the control channel in two writes; what the rank printed
+  // before it is still in its pipe when the control message is read.
+  auto supervisor = Supervisor::Start(
+      Options({"echo before >&2; printf 'log 25\\nTraceback:\\n' >&3; sleep 0.2; printf '  line 1\\nboom\\nfailed\\n' >&3; "
+               "exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  auto events = RunToEnd(**supervisor);
+  EXPECT_EQ(Lines(events, 2), (std::map<int, std::string>{{0, "before|"}}));
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 0);
+  EXPECT_EQ(ReadFile(dir_ + "/rank_0.log"), "before\nTraceback:\n  line 1\nboom\n");
+}
+
+TEST_F(SupervisorTest, ALogMessageThatIsNotOneIsDropped) {
+  auto supervisor = Supervisor::Start(Options({"printf 'log 99999999999\\nlog x\\nfailed\\n' >&3; exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 0);  // the lines after it are read as ever
+  EXPECT_EQ(ReadFile(dir_ + "/rank_0.log"), "");
+}
+
 TEST_F(SupervisorTest, TimeoutDumpsStacksThenKills) {
   auto options = Options({"trap 'echo dumping >&2' USR1; echo up; while :; do sleep 0.05; done",
                           "trap 'echo dumping >&2' USR1; while :; do sleep 0.05; done"});

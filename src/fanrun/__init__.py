@@ -1,20 +1,52 @@
 """fanrun: run one Python function on every accelerator of a machine and get back what every rank returned."""
 
+import importlib
+from typing import TYPE_CHECKING
+
 from ._accelerators import DEFAULT_CPU_RANKS as DEFAULT_CPU_RANKS
 from ._accelerators import AcceleratorType as AcceleratorType
 from ._accelerators import GPUType as GPUType
-from ._decorator import DistributedFunction as DistributedFunction
-from ._decorator import distributed as distributed
 from ._errors import AcceleratorMismatchError as AcceleratorMismatchError
 from ._errors import DescriptorLimitError as DescriptorLimitError
+from ._errors import EngineError as EngineError
+from ._errors import EngineInvalidArgument as EngineInvalidArgument
+from ._errors import EngineOSError as EngineOSError
+from ._errors import ExecutableNotFoundError as ExecutableNotFoundError
 from ._errors import FanrunError as FanrunError
 from ._errors import PayloadSerializationError as PayloadSerializationError
 from ._errors import RankFailedError as RankFailedError
+from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import ResultSerializationError as ResultSerializationError
 from ._errors import RunTimeoutError as RunTimeoutError
 from ._errors import UnsafePathError as UnsafePathError
 from ._errors import WorkingDirectoryError as WorkingDirectoryError
-from ._torch_distributor import TorchDistributor as TorchDistributor
-from ._tracking import flush_tracking as flush_tracking
 
 __version__ = "0.1.0"
+
+# The call machinery (the decorator, the launcher, tracking) is loaded when first named, so that
+# what runs inside a rank (`import fanrun.data`) loads none of it.
+_CALL_MACHINERY = {
+    "distributed": "_decorator",
+    "DistributedFunction": "_decorator",
+    "TorchDistributor": "_torch_distributor",
+    "flush_tracking": "_tracking",
+}
+
+if TYPE_CHECKING:
+    from ._decorator import DistributedFunction as DistributedFunction
+    from ._decorator import distributed as distributed
+    from ._torch_distributor import TorchDistributor as TorchDistributor
+    from ._tracking import flush_tracking as flush_tracking
+
+
+def __getattr__(name: str):
+    module = _CALL_MACHINERY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fanrun' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_CALL_MACHINERY})

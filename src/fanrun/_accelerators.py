@@ -162,6 +162,9 @@ class Plan:
     accelerator_type: str  # "GPU_2xH200" or "CPU"
     # Where GPUs were looked for and none was found: what was started instead, for the caller to show.
     notice: str = ""
+    # Machines the ranks are spread over, world_size / nodes on each: one, this machine, unless a
+    # cluster backend places them.
+    nodes: int = 1
 
 
 def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, inventory: Inventory) -> Plan:

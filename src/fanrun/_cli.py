@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 
-from . import __version__, _accelerators, _cli_torchrun, _launcher
+from . import __version__, _accelerators, _cli_torchrun
+from ._launch.program import RankProgram
+from ._launch.run import run
 from ._decorator import DEFAULT_TIMEOUT
 from ._errors import RankFailedError, RemoteTraceback, RunTimeoutError
 
@@ -71,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
                                     f"use -m for a module, or --no-python for a program")
         if options.no_python:
-            program = _launcher.RankProgram.native([options.target, *options.args])
+            program = RankProgram.native([options.target, *options.args])
         else:
-            program = _launcher.RankProgram.script(options.target, options.args, module=options.module)
-        _launcher.run(
+            program = RankProgram.script(options.target, options.args, module=options.module)
+        run(
             name=options.target.rsplit("/", 1)[-1],
             plan=plan,
             program=program,
@@ -95,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + signal.Signals[error.signal_name]  # as a shell reports a command killed by a signal
         return error.exit_code if isinstance(error.exit_code, int) and error.exit_code > 0 else 1
     except Exception as error:
-        # A rank's own exception (its traceback is in the rank's output above), or bad input.
-        origin = "a rank failed: " if isinstance(error.__cause__, RemoteTraceback) else ""
+        # A rank's own exception, shown here once with its traceback, or bad input.
+        remote = error.__cause__ if isinstance(error.__cause__, RemoteTraceback) else None
+        if remote is not None:
+            print(str(remote).strip(), file=sys.stderr)
+        origin = "a rank failed: " if remote is not None else ""
         print(f"fanrun: {origin}{type(error).__name__}: {error}", file=sys.stderr)
         for note in getattr(error, "__notes__", []):
             print(note, file=sys.stderr)

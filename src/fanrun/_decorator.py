@@ -9,7 +9,8 @@ import numbers
 import warnings
 from typing import Any, Callable, Generic, TypeVar
 
-from . import _accelerators, _launcher, _payload, _tracking
+from . import _accelerators, _errors, _payload, _tracking
+from ._launch import preflight, program, run
 from ._accelerators import AcceleratorRequest
 
 DEFAULT_TIMEOUT = 3 * 60 * 60  # seconds
@@ -43,21 +44,31 @@ class DistributedFunction(Generic[R]):
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
         """Runs the function once per rank with these arguments; returns every rank's value, in rank order."""
+        __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
+        try:
+            return self._run(args, kwargs)
+        except BaseException as error:
+            if not _errors.raised_for_the_caller(error):
+                raise
+            # Shown from the caller's own line: fanrun's frames in between say nothing to them.
+            raise error.with_traceback(None)  # noqa: B904 (the cause, a rank's traceback, stays)
+
+    def _run(self, args: tuple, kwargs: dict) -> list[R]:
         options = self._options
         inventory = _accelerators.detect()
         plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory)
         # Before the MLflow run starts: a call that cannot start leaves no trace.
-        _launcher.preflight(plan)
+        preflight.preflight(plan)
         payload = _payload.serialize_call(self._fn, args, kwargs)
         name = getattr(self._fn, "__name__", "function")
         # The GPUs the ranks get, in rank order: the ones the run's system metrics describe.
         gpu_indices = [gpu.nvml_index for gpu in inventory.visible[: plan.world_size]] if plan.use_gpus else []
         # The MLflow run starts once the call is known to be sendable, and ends with its outcome.
         with _tracking.track(function_name=name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
-            return _launcher.run(
+            return run.run(
                 name=name,
                 plan=plan,
-                program=_launcher.RankProgram.function(),
+                program=program.RankProgram.function(),
                 timeout=options.timeout,
                 payload=payload,
                 extra_env=tracked.rank_env,

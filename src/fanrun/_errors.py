@@ -82,6 +82,13 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
+def raised_for_the_caller(error: BaseException) -> bool:
+    """Whether fanrun raised this on purpose, for the caller: a rank's own exception, one of
+    fanrun's errors, an interrupt. Its traceback through fanrun's own frames is noise; any other
+    exception is a fault of fanrun's, whose frames are the story."""
+    return isinstance(error, (FanrunError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
+
+
 # Raised by the engine (fanrun._core); its one exception translator maps status codes here.
 class EngineError(RuntimeError, FanrunError):
     """The engine failed in a way that is not the caller's input."""

@@ -12,7 +12,9 @@ import os
 import warnings
 from typing import Any, Callable
 
-from . import _accelerators, _launcher
+from . import _accelerators, _errors
+from ._launch.program import RankProgram
+from ._launch.run import run
 from ._decorator import DEFAULT_TIMEOUT, DistributedFunction, Options
 from ._errors import AcceleratorMismatchError
 
@@ -43,6 +45,15 @@ class TorchDistributor:
 
     def run(self, train_object: Callable | str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         """Rank 0's return value for a function; None for a file."""
+        __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
+        try:
+            return self._run(train_object, args, kwargs)
+        except BaseException as error:
+            if not _errors.raised_for_the_caller(error):
+                raise
+            raise error.with_traceback(None)  # noqa: B904 (the cause, a rank's traceback, stays)
+
+    def _run(self, train_object: Callable | str | os.PathLike, args: tuple, kwargs: dict) -> Any:
         accelerator = None if self.use_gpu else _accelerators.AcceleratorType.CPU
         if isinstance(train_object, (str, os.PathLike)):
             return self._run_file(os.fspath(train_object), args, kwargs)
@@ -61,10 +72,10 @@ class TorchDistributor:
         self._check_gpus()
         request = None if self.use_gpu else _accelerators.parse_accelerator_type("CPU")
         plan = _accelerators.plan_run(self.num_processes, request, _accelerators.detect())
-        _launcher.run(
+        run(
             name=os.path.basename(path),
             plan=plan,
-            program=_launcher.RankProgram.script(path, [str(a) for a in args]),
+            program=RankProgram.script(path, [str(a) for a in args]),
             timeout=DEFAULT_TIMEOUT,
         )
         return None

@@ -21,7 +21,7 @@ from typing import Any
 from . import _tracking_store
 from ._agent_channel import FINISH_DEADLINE_S, START_DEADLINE_S, describe
 from ._metric_relay import MetricRelay
-from ._paths import rank_log
+from ._launch.paths import rank_log
 from ._run_links import TrackedRun, masked
 from ._system_metrics import SystemMetricsSampler, sampling_interval
 

@@ -39,7 +39,7 @@ from ._accelerators import Plan
 from ._agent_channel import AGENT_START_S, FINISH_DEADLINE_S, START_DEADLINE_S
 from ._errors import RunTimeoutError
 from ._metric_relay import RelaySocket
-from ._paths import RunPaths
+from ._launch.paths import RunPaths
 from ._run_links import TrackedRun, announce, in_jupyter_kernel
 
 # MLflow refuses longer tag values (5000 characters on some stores).

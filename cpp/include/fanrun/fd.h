@@ -1,5 +1,8 @@
-// Owned file descriptors and pipes: move-only, close-on-exec from birth, closed once.
+// Owned file descriptors, pipes and directory listings: move-only, close-on-exec from birth,
+// closed once.
 #pragma once
+
+#include <dirent.h>
 
 #include <cstddef>
 #include <string>
@@ -52,5 +55,30 @@ Status DescriptorError(int err, const std::string& what);
 
 // Retries on EINTR and short writes.
 Status WriteAll(int fd, const void* data, size_t size);
+
+// The entries of one directory, read with readdir; closedir when it goes.
+class DirectoryListing {
+ public:
+  // The entries of `path`.
+  static Result<DirectoryListing> Open(const std::string& path);
+  // The entries of the directory open at dir_fd, read through a descriptor of their own, so
+  // that dir_fd keeps its offset and stays open; `path` names it in errors.
+  static Result<DirectoryListing> OpenAt(int dir_fd, const std::string& path);
+  DirectoryListing(DirectoryListing&& other) noexcept : dir_(other.dir_) { other.dir_ = nullptr; }
+  DirectoryListing& operator=(DirectoryListing&& other) noexcept;
+  DirectoryListing(const DirectoryListing&) = delete;
+  DirectoryListing& operator=(const DirectoryListing&) = delete;
+  ~DirectoryListing();
+
+  // The next entry's name, "." and ".." among them; nullptr after the last.
+  const char* Next();
+
+ private:
+  explicit DirectoryListing(DIR* dir) : dir_(dir) {}
+  // Takes `fd` (-1: its open failed, errno says why) and lists it.
+  static Result<DirectoryListing> FromDescriptor(int fd, const std::string& path);
+
+  DIR* dir_ = nullptr;
+};
 
 }  // namespace fanrun

@@ -32,18 +32,16 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "fanrun/fd.h"
 #include "fanrun/private_dir.h"
 #include "fanrun/status.h"
+#include "fanrun/worker_pool.h"
 
 namespace fanrun {
 
@@ -151,7 +149,8 @@ class FileCache {
 
   FileCache(CacheOptions options, Fetcher fetcher, Directories dirs, FileDescriptor usage,
             std::array<uint8_t, 16> boot);
-  void Run();
+  // Fetches a prefetched file unless it was released or acquired since; on the pool's threads.
+  void FetchQueued(const std::string& name);
   // Records the outcome of a fetch; called with mutex_ held.
   void Finish(const std::string& name, Result<FileDescriptor> pin);
   // Brings the file into files/ and returns a descriptor holding its shared flock.
@@ -177,16 +176,14 @@ class FileCache {
   const std::array<uint8_t, 16> boot_;
 
   mutable std::mutex mutex_;
-  std::condition_variable work_ready_;
   std::condition_variable entry_done_;
-  std::deque<std::string> queue_;
   std::map<std::string, Entry> entries_;
   std::atomic<bool> stopping_{false};  // set under mutex_, read without it by fetches in flight
   CacheStats stats_;
 
   std::mutex usage_mutex_;  // flock does not exclude threads sharing one descriptor
   FileDescriptor usage_;
-  std::vector<std::thread> threads_;
+  WorkerPool pool_;  // last: its threads stop before the state they use goes
 };
 
 }  // namespace fanrun

@@ -7,14 +7,9 @@
 #include <string>
 #include <string_view>
 
-namespace fanrun {
+#include "fanrun/run_contract.h"
 
-enum class SegmentKind {
-  kLine,      // ended by '\n' (or "\r\n"), or by the end of the stream
-  kPartial,   // the start of a line not ended yet (longer than the limit, or held too long);
-              // the segments that follow go on with the same line
-  kProgress,  // the current text of a line being redrawn with '\r' (a progress bar)
-};
+namespace fanrun {
 
 // Progress bars drawn below the current line (tqdm's `position=N`, nested bars) go down
 // with '\n' and come back with a cursor-up escape ("\x1b[A", "\x1b[3A"). Once a stream has

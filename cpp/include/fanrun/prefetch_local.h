@@ -25,14 +25,13 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "fanrun/fd.h"
+#include "fanrun/worker_pool.h"
 
 namespace fanrun {
 
@@ -66,20 +65,19 @@ class LocalPrefetcher {
   static constexpr size_t kReadThroughStep = 4 << 20;  // per sendfile(): stopping is seen between steps
 
  private:
-  void Run();
+  // Gives one hint to the kernel; run on the pool's threads.
+  void Give(const std::string& path);
   bool ReadThrough(int fd, off_t size);
 
   mutable std::mutex mutex_;
-  std::condition_variable work_ready_;
   std::condition_variable given_;  // a hint was given; Wait() and Drain() look again
-  std::deque<std::string> queue_;
   std::unordered_map<std::string, int> pending_;  // hints queued or being given, per path
   std::atomic<bool> stopping_{false};
   int resident_streak_ = 0;    // files found cached in a row
   uint64_t since_probe_ = 0;   // hints dropped since the last probe, while the streak holds
   Counts counts_;
   FileDescriptor null_;  // /dev/null, where read-through copies nothing
-  std::vector<std::thread> threads_;
+  WorkerPool pool_;      // last: its threads stop before the state they use goes
 };
 
 }  // namespace fanrun

@@ -22,7 +22,7 @@ struct SpawnOptions {
   std::vector<std::string> env;
   // Empty: the parent's working directory.
   std::string cwd;
-  // Descriptors placed at 0, 1, 2 and 3 in the child; -1 gives /dev/null at 0,
+  // Descriptors placed at 0, 1, 2 and kControlFd (3, run_contract.h) in the child; -1 gives /dev/null at 0,
   // leaves 1 and 2 as the parent's and 3 closed.
   int stdin_fd = -1;
   int stdout_fd = -1;

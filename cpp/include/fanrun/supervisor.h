@@ -13,6 +13,7 @@
 #include "fanrun/kept_process.h"
 #include "fanrun/line_splitter.h"
 #include "fanrun/process.h"
+#include "fanrun/run_contract.h"
 #include "fanrun/status.h"
 
 namespace fanrun {
@@ -38,17 +39,14 @@ struct SupervisorOptions {
   // Output held for the rest of its line (a prompt, "waiting...") is shown once it has been
   // held this long.
   double show_held_after_s = 0.15;
-  // Give each rank a pipe at fd 3 on which it reports "failed\n" the moment it has
-  // written its error, before its (possibly slow) interpreter shutdown, and "done\n" once
-  // it has written its result.
+  // Give each rank a pipe at kControlFd on which it reports kControlFailed the moment it has
+  // written its error, before its (possibly slow) interpreter shutdown, and kControlDone once
+  // it has written its result; kControlLog carries text for its log alone (run_contract.h).
   bool control_channel = true;
   // A rank that exits with code 0 without having reported "done" has failed: it ended
   // without returning (os._exit(0) in a function), and its siblings are stopped at once.
   bool expect_done = false;
 };
-
-// kTimedOut: the timeout struck just now; the stack-dump signal is out, the ranks still run.
-enum class EventKind { kOutput, kRankFailed, kRankExited, kTimedOut };
 
 struct Event {
   EventKind kind;
@@ -58,8 +56,6 @@ struct Event {
   std::string text;                        // kOutput
   ExitStatus exit;                         // kRankExited
 };
-
-enum class StopReason { kNone, kRankFailed, kTimeout, kCancelled };
 
 struct WaitResult {
   std::vector<Event> events;
@@ -123,6 +119,8 @@ class Supervisor {
 
   // Reads once from a ready output stream; on end of stream finishes and closes it.
   void PumpStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
+  // Reads what the stream holds now, without waiting.
+  void PumpAvailable(size_t rank, Stream& stream, int number, std::vector<Event>& events);
   void DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
   void PumpControl(size_t rank, std::vector<Event>& events);
   void OnExit(size_t rank, std::vector<Event>& events);

@@ -1,13 +1,17 @@
 """fanrun.data: what a training function reads and writes inside @distributed: a streaming
 file dataset with a node-wide cache, and checkpoint storage for torch.distributed.checkpoint."""
 
+from .._errors import CacheLimitError as CacheLimitError
 from .._errors import CheckpointCorruptError as CheckpointCorruptError
 from .._errors import CheckpointExistsError as CheckpointExistsError
+from .._errors import DataFileError as DataFileError
+from .._errors import DataSourceError as DataSourceError
 from .._errors import NotACheckpointError as NotACheckpointError
-from ._checkpoint_dcp_export import export_dcp as export_dcp
-from ._checkpoint_reader import VolumeReader as VolumeReader
-from ._checkpoint_storage import latest_checkpoint as latest_checkpoint
-from ._checkpoint_writer import VolumeWriter as VolumeWriter
+from .._errors import UnsafePathError as UnsafePathError
+from .checkpoint import VolumeReader as VolumeReader
+from .checkpoint import VolumeWriter as VolumeWriter
+from .checkpoint import export_dcp as export_dcp
+from .checkpoint import latest_checkpoint as latest_checkpoint
 from ._dataset import UCVolumeDataset as UCVolumeDataset
 from ._dataset import VolumeDataset as VolumeDataset
 from ._loader import DataLoader as DataLoader

@@ -21,6 +21,7 @@ from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_d
                      native_http_allowed, open_cache_dir, parse_byte_size)
 from ._dataset_source import SourceFile, shared_listing
 from ._first_batches import FirstBatchTurns, Turn
+from ._per_process import PerProcess
 
 _STATE_VERSION = 1
 
@@ -128,10 +129,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self._loader_counts = False  # a fanrun.data.DataLoader pass counts consumption in the main process
         self._pass: tuple[int, int, int] | None = None  # (start offset, world size, per-rank count)
         self._consumed = 0
-        self._cache: _core.FileCache | None = None
-        self._cache_pid = -1
-        self._prefetcher: _core.LocalPrefetcher | None = None
-        self._prefetcher_pid = -1
+        self._own_engine_parts()
         self._turns: FirstBatchTurns | None = None  # set by fanrun.data.DataLoader while it forks its workers
         self._check_limit(num_workers=0)  # before any work; the workers check again knowing their number
 
@@ -262,32 +260,22 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         readers = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * max(1, num_workers)
         check_cache_limit(self.cache_limit, readers, self._files_held(), max(sizes), self.prefetch)
 
-    def _open_prefetcher(self) -> _core.LocalPrefetcher:
-        if self._prefetcher is None or self._prefetcher_pid != os.getpid():
-            self._prefetcher = _core.LocalPrefetcher(self.cache_threads)
-            self._prefetcher_pid = os.getpid()
-        return self._prefetcher
-
-    def _open_cache(self) -> _core.FileCache:
-        # One per process: a DataLoader worker forked from a process with a cache must not
-        # use the parent's, whose threads did not come along.
-        if self._cache is None or self._cache_pid != os.getpid():
-            remote = any(cached and not f.local for f, cached in zip(self._files, self._cached))
-            checksums = {f.source: f.md5 for f in self._files if f.md5 is not None}
-            fetch = FsspecFetch(self.storage_options, checksums) if remote else None
-            self._cache = _core.FileCache(self.cache_dir, self.cache_limit, self.cache_threads, self.retries + 1, fetch,
-                                          native_http=remote and self._native_http, **self._http_options)
-            self._cache_pid = os.getpid()
-            atexit.register(_close_cache, weakref.ref(self._cache))
-        return self._cache
+    def _make_cache(self) -> _core.FileCache:
+        remote = any(cached and not f.local for f, cached in zip(self._files, self._cached))
+        checksums = {f.source: f.md5 for f in self._files if f.md5 is not None}
+        fetch = FsspecFetch(self.storage_options, checksums) if remote else None
+        cache = _core.FileCache(self.cache_dir, self.cache_limit, self.cache_threads, self.retries + 1, fetch,
+                                native_http=remote and self._native_http, **self._http_options)
+        atexit.register(_close_cache, weakref.ref(cache))
+        return cache
 
     def _samples(self, entries: list[int], turn: Turn | None = None) -> Iterator[Any]:
         if turn is not None:
             turn.wait()  # the workers before this one have made their first batches
         files = self._files
-        cache = self._open_cache() if any(self._cached[i] for i in entries) else None
+        cache = self._cache.get() if any(self._cached[i] for i in entries) else None
         in_place = self.prefetch > 0 and not all(self._cached[i] for i in entries)
-        readahead = self._open_prefetcher() if in_place else None
+        readahead = self._prefetcher.get() if in_place else None
         held: deque[str] = deque()
         keep = 1 if self.transform is not None else self._chunk
         ahead_count = self._ahead_count(entries)
@@ -366,12 +354,24 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         warnings.warn(f"fanrun.data skips '{file.source}': {why}", stacklevel=2)
         return _SKIPPED
 
+    def _own_engine_parts(self) -> None:
+        """The cache and the prefetcher, each made in the process that first uses it: their native
+        threads do not travel, by fork or by pickle."""
+        self._cache: PerProcess[_core.FileCache] = PerProcess(self._make_cache)
+        self._prefetcher: PerProcess[_core.LocalPrefetcher] = PerProcess(self._make_prefetcher)
+
+    def _make_prefetcher(self) -> _core.LocalPrefetcher:
+        return _core.LocalPrefetcher(self.cache_threads)
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_cache"] = state["_prefetcher"] = None  # native threads do not travel; each process makes its own
+        del state["_cache"], state["_prefetcher"]
         state["_turns"] = None  # descriptors, only inherited by forking
-        state["_cache_pid"] = state["_prefetcher_pid"] = -1
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._own_engine_parts()
 
 
 def _import_filesystem(url: str) -> None:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from .._rank import contract as run_contract
 from .._errors import DataSourceError
 from .._private_dir import open_private_subdir
 from ._cache import CACHE_DIR_REMEDY
@@ -54,7 +55,9 @@ def listed_md5(info: dict, protocols: tuple[str, ...]) -> str | None:
     return None
 
 
-def is_url(text: str) -> bool:
+def is_remote_source(text: str) -> bool:
+    """A source that fsspec lists and the cache fetches: a URL, but not file://, whose files are
+    read in place like any local path."""
     return "://" in text and not text.startswith("file://")
 
 
@@ -167,7 +170,7 @@ def list_files(source: str | os.PathLike | Sequence[str | os.PathLike], pattern:
     found: dict[str, SourceFile] = {}
     with _collector_paused():
         for root in roots:
-            listed = _list_remote(root, pattern, storage_options) if is_url(root) else _list_local(root, pattern)
+            listed = _list_remote(root, pattern, storage_options) if is_remote_source(root) else _list_local(root, pattern)
             for file in listed:
                 found[file.source] = file
     if not found:
@@ -193,7 +196,7 @@ def _collector_paused():
 
 def _run_token() -> str | None:
     """What all ranks of one run share, and nothing else does."""
-    for name in ("FANRUN_RUN_ID", "TORCHELASTIC_RUN_ID"):
+    for name in (run_contract.ENV_RUN_ID, "TORCHELASTIC_RUN_ID"):
         value = os.environ.get(name)
         if value:
             return f"{name}={value}"

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .._errors import CheckpointCorruptError
-from . import _checkpoint_storage as storage
+from ..._errors import CheckpointCorruptError
+from . import storage
 
 # The names torch's filesystem.py gives them (its _metadata_fn and DEFAULT_SUFFIX).
 METADATA_NAME = ".metadata"
@@ -56,7 +56,7 @@ class DcpCheckpointReader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.remote = storage.is_url(path)
+        self.remote = storage.is_fsspec_url(path)
 
     def read_metadata(self, load_id: str) -> Metadata:
         target = storage.storage_for(self.path)
@@ -147,7 +147,7 @@ class _RemoteFile:
         self.path = self._remote.join(directory, name)
 
     def item(self, offset: int, length: int, fqn: str) -> io.BytesIO:
-        data = self._remote.fs.cat_file(self.path, start=offset, end=offset + length) if length else b""
+        data = self._remote.read_range(self.path, offset, length)
         if len(data) != length:
             raise _short(self.path, fqn, offset, length, offset + len(data))
         return io.BytesIO(data)

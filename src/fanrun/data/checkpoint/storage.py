@@ -13,9 +13,9 @@ import tempfile
 import threading
 import uuid
 
-from .. import _core
-from .._errors import CheckpointCorruptError, NotACheckpointError
-from . import _checkpoint_layout as layout
+from ... import _core
+from ..._errors import CheckpointCorruptError, NotACheckpointError
+from . import layout
 
 
 class Replaced(Exception):
@@ -27,13 +27,15 @@ class Replaced(Exception):
 _REPLACED_RETRIES = 5
 
 
-def is_url(path: str) -> bool:
+def is_fsspec_url(path: str) -> bool:
+    """A checkpoint path that fsspec writes and reads: any URL, file:// included (staged and
+    uploaded like any object store), where a plain path is written in place by the engine."""
     return "://" in path
 
 
 def target_path(path: str) -> str:
     """How a checkpoint's path is kept: a URL without a trailing slash, a local path absolute."""
-    return path.rstrip("/") if is_url(path) else os.path.abspath(path)
+    return path.rstrip("/") if is_fsspec_url(path) else os.path.abspath(path)
 
 
 class LocalStorage:
@@ -92,18 +94,18 @@ class RemoteStorage:
     def __init__(self, url: str) -> None:
         import fsspec
 
-        self.fs, _ = fsspec.core.url_to_fs(url)
+        self._fs, _ = fsspec.core.url_to_fs(url)
 
     def join(self, directory: str, name: str) -> str:
         return directory.rstrip("/") + "/" + name
 
     def read_bytes(self, path: str) -> bytes:
-        with self.fs.open(path, "rb") as f:
+        with self._fs.open(path, "rb") as f:
             return f.read()
 
     def list_names(self, directory: str) -> list[str]:
         try:
-            entries = self.fs.ls(directory, detail=False)
+            entries = self._fs.ls(directory, detail=False)
         except FileNotFoundError:
             return []
         return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries]
@@ -111,7 +113,7 @@ class RemoteStorage:
     def file_sizes(self, directory: str) -> dict[str, int | None]:
         """Sizes by name; None where the listing gives none (an HTTP server's index page)."""
         try:
-            entries = self.fs.ls(directory, detail=True)
+            entries = self._fs.ls(directory, detail=True)
         except FileNotFoundError:
             return {}
         return {
@@ -125,7 +127,7 @@ class RemoteStorage:
         NotACheckpointError naming its URL; other failures keep their type, with the URL added."""
         url = self.join(directory, name)
         try:
-            self.fs.get_file(url, local_path)
+            self._fs.get_file(url, local_path)
         except FileNotFoundError:
             raise NotACheckpointError(
                 f"Checkpoint file '{url}' is not there (not found): '{directory}' no longer holds the "
@@ -134,6 +136,23 @@ class RemoteStorage:
         except Exception as error:
             error.add_note(f"Fetching checkpoint file '{url}' failed")
             raise
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        return self._fs.cat_file(path, start=start, end=start + length) if length else b""
+
+    def put_file(self, local_path: str, directory: str, name: str) -> None:
+        """Uploads a local file as directory/name, making directory where the store has folders."""
+        self._fs.makedirs(directory, exist_ok=True)
+        self._fs.put_file(local_path, self.join(directory, name))
+
+    def write_bytes(self, directory: str, name: str, data: bytes) -> None:
+        """One object written whole: where a store makes an object visible only once it is
+        closed, this is what commits a checkpoint (its record)."""
+        with self._fs.open(self.join(directory, name), "wb") as f:
+            f.write(data)
+
+    def remove(self, directory: str, name: str) -> None:
+        self._fs.rm(self.join(directory, name), recursive=True)
 
     def record_and_sizes(self, directory: str) -> tuple[bytes, dict[str, int | None]]:
         # Data and metadata names carry the save id, and a replaced checkpoint's files are
@@ -145,13 +164,13 @@ class RemoteStorage:
     def remove_checkpoint(self, path: str) -> None:
         # The record goes first: without it the rest is no longer a complete checkpoint.
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.join(path, layout.RECORD_NAME))
+            self._fs.rm(self.join(path, layout.RECORD_NAME))
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
+            self._fs.rm(path, recursive=True)
 
 
 def storage_for(path: str) -> LocalStorage | RemoteStorage:
-    return RemoteStorage(path) if is_url(path) else LocalStorage()
+    return RemoteStorage(path) if is_fsspec_url(path) else LocalStorage()
 
 
 def read_record(path: str) -> dict:
@@ -202,7 +221,7 @@ def read_metadata_bytes(path: str, record: dict, local_staging_dir: str | None =
     its metadata is read as it is). Remote metadata is downloaded to local_staging_dir first.
     A mismatch is a CheckpointCorruptError naming the file."""
     name = record["metadata"]
-    if not is_url(path):
+    if not is_fsspec_url(path):
         return _read_checked(os.path.join(path, name), record)
     remote = RemoteStorage(path)
     local_dir = tempfile.mkdtemp(prefix="fanrun-download-", dir=local_staging_dir)

@@ -21,28 +21,13 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import _core
-from .._errors import CheckpointExistsError
-from . import _checkpoint_layout as layout
-from . import _checkpoint_storage as storage
-from ._checkpoint_staging import HostCopies, stage_state_dict
+from ... import _core
+from ..._errors import CheckpointExistsError
+from . import engine_io, layout, storage
+from .staging import HostCopies, stage_state_dict
 
-DEFAULT_THREADS = 8
-# Device tensors are copied to host memory and written in batches of about this size; host
-# tensors, which need no copy, in batches this many times larger (each batch ends with every
-# thread waiting for the last chunk, so fewer is faster).
-BATCH_BYTES = 256 << 20
-HOST_BATCH_FACTOR = 16
 # What DCP's FileSystemWriter says when overwrite=False finds a checkpoint.
 DCP_OVERWRITE_REFUSED = "Checkpoint already exists and self.overwrite=False."
-
-
-def check_io_options(thread_count: int, chunk_bytes: int) -> None:
-    """The engine options VolumeWriter and VolumeReader share, checked before any I/O."""
-    if not isinstance(thread_count, int) or thread_count < 1:
-        raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
 
 
 class VolumeWriter(StorageWriter, AsyncStager):
@@ -65,14 +50,14 @@ class VolumeWriter(StorageWriter, AsyncStager):
         self,
         path: str | os.PathLike,
         *,
-        thread_count: int = DEFAULT_THREADS,
+        thread_count: int = engine_io.DEFAULT_THREADS,
         keep_last: int | None = None,
         overwrite: bool = True,
         local_staging_dir: str | os.PathLike | None = None,
         chunk_bytes: int = _core.CHECKPOINT_CHUNK_BYTES,
     ) -> None:
         super().__init__()
-        check_io_options(thread_count, chunk_bytes)
+        engine_io.check_io_options(thread_count, chunk_bytes)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or a positive int, got {keep_last!r}")
         self.thread_count = thread_count
@@ -92,7 +77,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
         path = os.fspath(path)
         if not path:
             raise ValueError("VolumeWriter needs a checkpoint path, got an empty one")
-        self.remote = storage.is_url(path)
+        self.remote = storage.is_fsspec_url(path)
         self.path = storage.target_path(path)
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
@@ -258,8 +243,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
         if self.remote:
             remote = storage.RemoteStorage(self.path)
             try:
-                remote.fs.makedirs(self.path, exist_ok=True)
-                remote.fs.put_file(local_file, remote.join(self.path, target.file_name))
+                remote.put_file(local_file, self.path, target.file_name)
             finally:
                 shutil.rmtree(local_dir, ignore_errors=True)
 
@@ -281,7 +265,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
         pinned host memory while the engine writes this one, so the GPU copy and the disk overlap
         and at most two batches are held in host memory. Host tensors are written in place."""
         on_device = any(e.tensor.device.type != "cpu" for e in entries)
-        batches = _batches(entries, BATCH_BYTES if on_device else BATCH_BYTES * HOST_BATCH_FACTOR)
+        batches = engine_io.batches(entries, engine_io.BATCH_BYTES if on_device else engine_io.BATCH_BYTES * engine_io.HOST_BATCH_FACTOR)
         crcs: list[int] = []
         following = _to_host(batches[0]) if batches else None
         for index, batch in enumerate(batches):
@@ -289,7 +273,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
             following = _to_host(batches[index + 1]) if index + 1 < len(batches) else None
             copies.ready()
             items = [
-                (host.data_ptr() if e.size else 0, e.size, e.offset, _label(e.item.index))
+                (host.data_ptr() if e.size else 0, e.size, e.offset, engine_io.label(e.item.index))
                 for e, host in zip(batch, hosts, strict=True)
             ]
             crcs += writer.write(items)
@@ -326,9 +310,9 @@ class VolumeWriter(StorageWriter, AsyncStager):
         staging_dir = layout.partial_dir(self.path, save_id)
         try:
             name = layout.metadata_file_name(save_id)
-            crc = _write_durably(os.path.join(staging_dir, name), pickled)
+            crc = engine_io.write_durably(os.path.join(staging_dir, name), pickled)
             record = layout.make_record(save_id, world_size, files, len(pickled), crc)
-            _write_durably(os.path.join(staging_dir, layout.RECORD_NAME), json.dumps(record, indent=1).encode())
+            engine_io.write_durably(os.path.join(staging_dir, layout.RECORD_NAME), json.dumps(record, indent=1).encode())
             previous = _core.publish_directory(staging_dir, self.path)
         except BaseException:
             # Every rank has written its part: nothing else uses the partial directory any more.
@@ -345,18 +329,17 @@ class VolumeWriter(StorageWriter, AsyncStager):
         # Staged and uploaded as the data files are, which gives its CRC32C on the way.
         local_dir = tempfile.mkdtemp(prefix="fanrun-upload-", dir=self.local_staging_dir)
         try:
-            crc = _write_durably(os.path.join(local_dir, name), pickled)
-            remote.fs.put_file(os.path.join(local_dir, name), remote.join(self.path, name))
+            crc = engine_io.write_durably(os.path.join(local_dir, name), pickled)
+            remote.put_file(os.path.join(local_dir, name), self.path, name)
         finally:
             shutil.rmtree(local_dir, ignore_errors=True)
         record = layout.make_record(save_id, world_size, files, len(pickled), crc)
         # The record is the commit: one object, written last, naming only this save's files.
-        with remote.fs.open(remote.join(self.path, layout.RECORD_NAME), "wb") as f:
-            f.write(json.dumps(record, indent=1).encode())
+        remote.write_bytes(self.path, layout.RECORD_NAME, json.dumps(record, indent=1).encode())
         keep = {layout.RECORD_NAME, record["metadata"], *record["files"]}
         for name in remote.list_names(self.path):
             if name not in keep:
-                remote.fs.rm(remote.join(self.path, name), recursive=True)
+                remote.remove(self.path, name)
 
 
 @dataclasses.dataclass
@@ -370,18 +353,6 @@ class _Entry:
     size: int
     dtype: str | None
     shape: tuple[int, ...] | None
-
-
-def _batches(entries: list[_Entry], batch_bytes: int) -> list[list[_Entry]]:
-    batches: list[list[_Entry]] = []
-    size = batch_bytes
-    for entry in entries:
-        if size >= batch_bytes:
-            batches.append([])
-            size = 0
-        batches[-1].append(entry)
-        size += entry.size
-    return batches
 
 
 def _to_host(batch: list[_Entry]) -> tuple[list[torch.Tensor], HostCopies]:
@@ -401,26 +372,3 @@ def _to_host(batch: list[_Entry]) -> tuple[list[torch.Tensor], HostCopies]:
         hosts.append(tensor)
     copies.record()
     return hosts, copies
-
-
-def _label(index: Any) -> str:
-    """Names an item in errors: its key, and for a shard its offsets in the whole tensor."""
-    if index.offset is not None and any(index.offset):
-        return f"{index.fqn} (shard at {list(index.offset)})"
-    return index.fqn
-
-
-def _write_durably(path: str, data: bytes) -> int:
-    """Writes a new file with the engine, as a data file is written: its space reserved first, so
-    that a full disk is an error naming the path before anything is written, then fsynced; no
-    file is left if it fails. Returns the CRC32C of data."""
-    raw = bytearray(data)
-    buffer = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
-    writer = _core.CheckpointFileWriter.create(path, len(raw), 1, _core.CHECKPOINT_CHUNK_BYTES)
-    try:
-        (crc,) = writer.write([(buffer.data_ptr() if buffer is not None else 0, len(raw), 0, os.path.basename(path))])
-        writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    return crc

@@ -18,12 +18,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _core
-from .._errors import CheckpointCorruptError, NotACheckpointError
-from . import _checkpoint_dcp_format as dcp_format
-from . import _checkpoint_layout as layout
-from . import _checkpoint_storage as storage
-from ._checkpoint_writer import BATCH_BYTES, DEFAULT_THREADS, HOST_BATCH_FACTOR, _label, check_io_options
+from ... import _core
+from ..._errors import CheckpointCorruptError, NotACheckpointError
+from . import dcp_format, engine_io, layout, storage
 
 
 class VolumeReader(StorageReader):
@@ -38,12 +35,12 @@ class VolumeReader(StorageReader):
         self,
         path: str | os.PathLike,
         *,
-        thread_count: int = DEFAULT_THREADS,
+        thread_count: int = engine_io.DEFAULT_THREADS,
         local_staging_dir: str | os.PathLike | None = None,
         chunk_bytes: int = _core.CHECKPOINT_CHUNK_BYTES,
     ) -> None:
         super().__init__()
-        check_io_options(thread_count, chunk_bytes)
+        engine_io.check_io_options(thread_count, chunk_bytes)
         self.thread_count = thread_count
         self.chunk_bytes = chunk_bytes
         self.local_staging_dir = os.fspath(local_staging_dir) if local_staging_dir else tempfile.gettempdir()
@@ -52,7 +49,7 @@ class VolumeReader(StorageReader):
 
     def _set_path(self, path: str | os.PathLike) -> None:
         path = os.fspath(path)
-        self.remote = storage.is_url(path)
+        self.remote = storage.is_fsspec_url(path)
         self.path = storage.target_path(path)
         self.dcp: dcp_format.DcpCheckpointReader | None = None
         try:
@@ -118,9 +115,9 @@ class VolumeReader(StorageReader):
             paths = [os.path.join(local_dir, name) for name in file_names]
             file_index = {name: i for i, name in enumerate(file_names)}
             to_device = False
-            # Small batches only where GPUs may be the destination (see _checkpoint_writer).
-            batch_bytes = BATCH_BYTES if torch.cuda.is_available() else BATCH_BYTES * HOST_BATCH_FACTOR
-            for batch in _batches(list(stored.items()), batch_bytes):
+            # Small batches only where GPUs may be the destination (see writer.py).
+            batch_bytes = engine_io.BATCH_BYTES if torch.cuda.is_available() else engine_io.BATCH_BYTES * engine_io.HOST_BATCH_FACTOR
+            for batch in engine_io.batches(list(stored.items()), batch_bytes, size=lambda entry: entry[1][0].length):
                 to_device |= self._read_batch(batch, paths, file_index, planner)
         finally:
             if self.remote:
@@ -166,7 +163,7 @@ class VolumeReader(StorageReader):
                     buffer.data_ptr() if buffer_size else 0,
                     buffer_size,
                     location.crc32c,
-                    _label(index),
+                    engine_io.label(index),
                 )
             )
         _core.read_checkpoint_items(paths, reads, self.thread_count, self.chunk_bytes)
@@ -236,16 +233,3 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
         tensor = tensor.narrow(dim, offset, length)
     return tensor
-
-
-def _batches(items: list, batch_bytes: int) -> list[list]:
-    """(index, (location, requests)) pairs cut into runs of about batch_bytes."""
-    batches: list[list] = []
-    size = batch_bytes
-    for entry in items:
-        if size >= batch_bytes:
-            batches.append([])
-            size = 0
-        batches[-1].append(entry)
-        size += entry[1][0].length
-    return batches

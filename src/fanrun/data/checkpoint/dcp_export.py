@@ -16,15 +16,12 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from .._errors import CheckpointExistsError
-from . import _checkpoint_dcp_format as dcp_format
-from . import _checkpoint_layout as layout
-from . import _checkpoint_storage as storage
-from ._checkpoint_reader import VolumeReader
-from ._checkpoint_writer import DEFAULT_THREADS, _write_durably
+from ..._errors import CheckpointExistsError
+from . import dcp_format, engine_io, layout, storage
+from .reader import VolumeReader
 
 
-def export_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, thread_count: int = DEFAULT_THREADS) -> str:
+def export_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, thread_count: int = engine_io.DEFAULT_THREADS) -> str:
     """Writes the fanrun checkpoint at ``src`` (any path VolumeReader reads) to ``dst``, a local or
     mounted directory, in the format of DCP's FileSystemWriter: each rank's items in its own
     ``__<rank>_0.distcp`` file, tensors as torch.save bytes, and DCP's ``.metadata``, with the
@@ -35,7 +32,7 @@ def export_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, thread_count: 
     directory; it appears complete or not at all (the files are written in a hidden sibling,
     which is then renamed). Returns ``dst``."""
     dst = os.fspath(dst)
-    if storage.is_url(dst):
+    if storage.is_fsspec_url(dst):
         raise ValueError(f"export_dcp writes to a local or mounted directory, got '{dst}'")
     dst = os.path.abspath(dst)
     reader = VolumeReader(src, thread_count=thread_count)
@@ -71,7 +68,7 @@ def export_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, thread_count: 
             ),
             version=CURRENT_DCP_VERSION,
         )
-        _write_durably(os.path.join(staging, dcp_format.METADATA_NAME), pickle.dumps(exported))
+        engine_io.write_durably(os.path.join(staging, dcp_format.METADATA_NAME), pickle.dumps(exported))
         _fsync_directory(staging)
         os.rename(staging, dst)  # replaces an empty directory, fails on anything else
         _fsync_directory(parent)

@@ -2,7 +2,9 @@
 
 Started as `python -u -c <bootstrap> function|script|module ...` in a fresh interpreter.
 It is run as a file, not imported from the fanrun package, and imports only the standard
-library: a rank's start-up time is the user's imports and nothing more.
+library: a rank's start-up time is the user's imports and nothing more. The modules of fanrun's
+that it needs (the run contract, the result file's format, the rank's half of tracking) it runs
+by path (_sibling).
 """
 
 from __future__ import annotations
@@ -12,20 +14,31 @@ import errno
 import faulthandler
 import os
 import pickle
+import runpy
 import signal
 import stat
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
+
+
+def _sibling(name: str) -> dict:
+    """The globals of a module of fanrun's beside this file, run by path: a rank imports no
+    package of fanrun's, whose __init__ would import the launcher."""
+    return runpy.run_path(os.path.join(os.path.dirname(__file__), name))
+
+
+_contract = types.SimpleNamespace(**_sibling("contract.py"))
 
 # Sent by the engine at a timeout: every thread's Python stack goes to stderr, hence to the log.
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 
 # The one-line messages on the control descriptor: "my error is written, I am failing", and
 # "my result is written". A function's rank that exits without either has failed.
-_FAILED = b"failed\n"
-_DONE = b"done\n"
+_FAILED = f"{_contract.CONTROL_FAILED}\n".encode()
+_DONE = f"{_contract.CONTROL_DONE}\n".encode()
 
 # The status the rank exits with: 0 once its result is written, the error's code once its
 # error is; 1 if the worker itself fails before either.
@@ -43,18 +56,16 @@ def main() -> None:
     atexit.register(_exit_before_teardown)
     faulthandler.enable(all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
-    control_fd = os.environ.get("FANRUN_CONTROL_FD")
+    control_fd = os.environ.get(_contract.ENV_CONTROL_FD)
     if control_fd:
         # Processes this rank starts must not hold the engine's channel open.
         os.set_inheritable(int(control_fd), False)
-    if os.environ.get("FANRUN_MLFLOW"):  # _rank_tracking.VARIABLE
+    if os.environ.get(_contract.ENV_TRACKING):
         # A call of @distributed: when the function imports mlflow, the call's run becomes
         # active there, or MLflow logs nowhere if the call is not tracked.
-        import runpy
-
-        runpy.run_path(os.path.join(os.path.dirname(__file__), "_rank_tracking.py"))["install"]()
+        _sibling("../_rank_tracking.py")["install"]()
     mode = sys.argv[1]
-    run_dir = Path(os.environ["FANRUN_RUN_DIR"])
+    run_dir = Path(os.environ[_contract.ENV_RUN_DIR])
     rank = int(os.environ["RANK"])
     if mode == "function":
         _run_function(run_dir, rank)
@@ -119,7 +130,7 @@ def _open_payload(run_dir: Path):
     # can be another user's plant.
     dir_fd = _open_owned(str(run_dir), os.O_DIRECTORY, None, run_dir, uid, others=0o022)
     try:
-        fd = _open_owned("payload.pkl", 0, dir_fd, run_dir / "payload.pkl", uid, others=0o077)
+        fd = _open_owned(_contract.PAYLOAD, 0, dir_fd, run_dir / _contract.PAYLOAD, uid, others=0o077)
     finally:
         os.close(dir_fd)
     return os.fdopen(fd, "rb")
@@ -151,8 +162,6 @@ def _open_owned(name: str, flags: int, dir_fd: int | None, where: Path, uid: int
 
 
 def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: int) -> None:
-    import runpy
-
     if mode == "script":
         sys.argv = [target, *argv]
         sys.path[0] = os.path.dirname(os.path.abspath(target))
@@ -172,10 +181,9 @@ def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: i
 
 def _send_result(run_dir: Path, rank: int, result: object) -> None:
     import cloudpickle
-    import runpy
 
-    result_file = runpy.run_path(os.path.join(os.path.dirname(__file__), "_result_file.py"))
-    path = run_dir / f"rank_{rank}.result"
+    result_file = _sibling("result_file.py")
+    path = run_dir / _contract.result_name(rank)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
@@ -208,13 +216,14 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
         "exception": _pickle_exception(error),
     }
     try:
-        if kind != "result":
-            # The traceback goes to the log too, as an uncaught exception's would.
-            sys.stderr.write(envelope["traceback"])
-        sys.stderr.flush()
+        sys.stderr.flush()  # before the traceback, in the log and on screen
     except Exception:
         pass  # stderr closed or replaced by the function: the error file below still carries it all
-    path = run_dir / f"rank_{rank}.error"
+    if kind != "result":
+        # The traceback goes to the log, as an uncaught exception's would; the caller shows it
+        # once, with the exception it raises, so it is not printed on the screen here.
+        _log_only(envelope["traceback"])
+    path = run_dir / _contract.error_name(rank)
     tmp = path.with_name(path.name + ".tmp")
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as out:
         pickle.dump(envelope, out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -225,18 +234,34 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
     sys.exit(_exit_status)
 
 
+def _log_only(text: str) -> None:
+    data = text.encode("utf-8", "replace")
+    if not os.environ.get(_contract.ENV_CONTROL_FD):
+        try:
+            sys.stderr.write(text)  # no engine to hand it to: the screen is the log
+            sys.stderr.flush()
+        except Exception:
+            pass
+        return
+    _tell_engine(f"{_contract.CONTROL_LOG}{len(data)}\n".encode() + data)
+
+
 def _tell_engine(message: bytes) -> None:
-    control_fd = os.environ.get("FANRUN_CONTROL_FD")
+    control_fd = os.environ.get(_contract.ENV_CONTROL_FD)
     if control_fd:
         try:
-            os.write(int(control_fd), message)
+            view = memoryview(message)
+            while view:
+                view = view[os.write(int(control_fd), view):]
         except OSError:
             pass
 
 
 def _skip_worker_frames(tb):
-    """The worker's own frames are noise in the user's traceback."""
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    """The worker's own frames, and runpy's that run a script or module, are noise in the
+    user's traceback."""
+    own = {__file__, runpy.__file__, "<frozen runpy>"}
+    while tb is not None and tb.tb_frame.f_code.co_filename in own:
         tb = tb.tb_next
     return tb
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import collections
 import time
 
-from . import _core
-from ._output_views import View, flush_streams, views_for_streams, visible
+from .. import _core
+from .output_views import View, flush_streams, views_for_streams, visible
 
 TAIL_LINES = 40
 # The start of a line kept to complete it; a longer line is shown in pieces of this size.
@@ -27,30 +27,33 @@ class OutputMux:
         self._capturing: dict[int, list[str]] | None = None
 
     def capture_stderr(self) -> dict[int, list[str]]:
-        """From now on, also keep every stderr line per rank (the stacks dumped at a timeout)."""
+        """From now on, keep every stderr line per rank instead of showing it (the stacks dumped
+        at a timeout, which the timeout's exception shows once)."""
         self._capturing = collections.defaultdict(list)
         return self._capturing
 
-    def write(self, rank: int, stream_number: int, segment: int, data: bytes) -> None:
+    def write(self, rank: int, stream_number: int, segment: _core.SegmentKind, data: bytes) -> None:
         text = data.decode("utf-8", "replace")
         key = (rank, stream_number)
         view = self._views[stream_number]
         now = time.monotonic()
-        if segment == _core.SEGMENT_PROGRESS:
+        if segment == _core.SegmentKind.PROGRESS:
             self._held.pop(key, None)  # the line is redrawn from its start
             view.progress(key, visible(text), now)
             return
         held = self._held.pop(key, "")
-        if segment == _core.SEGMENT_PARTIAL and len(held) + len(text) < MAX_HELD_CHARS:
+        if segment == _core.SegmentKind.PARTIAL and len(held) + len(text) < MAX_HELD_CHARS:
             self._held[key] = held + text
             view.partial(key, visible(text), visible(held + text), now)
             return
         line = held + text
+        if stream_number == 2 and self._capturing is not None:
+            self._capturing[rank].append(line)
+            self.stderr_tails[rank].append(line)
+            return
         view.line(key, visible(line), visible(text), now)
         if stream_number == 2:
             self.stderr_tails[rank].append(line)
-            if self._capturing is not None:
-                self._capturing[rank].append(line)
 
     def seconds_to_redraw(self) -> float:
         """How long the engine may wait before a live display is due a redraw; -1: no limit."""

@@ -19,13 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from ._errors import UnsafePathError
-from ._private_dir import open_private, open_private_dir
+from .._errors import UnsafePathError
+from .._private_dir import open_private, open_private_dir
+from .._rank.contract import PAYLOAD, RUN_MARKER, error_name, log_name, result_name
 
 # Finished runs beyond the newest this many are removed when a new run starts.
 KEEP_RUNS = 100
-# In each run directory: marks it as fanrun's, and is locked while its call lasts.
-RUN_MARKER = ".fanrun-run"
 # A run directory's name: the time to the microsecond (so names sort oldest first), the
 # function's name, and a random part.
 _RUN_NAME = re.compile(r"\d{8}-\d{6}-\d{6}-[A-Za-z0-9_.-]{1,40}-[0-9a-f]{6}")
@@ -63,7 +62,7 @@ def _open_root(path: Path) -> tuple[Path, int]:
 
 def rank_log(run_dir: Path, rank: int) -> Path:
     """A rank's full log in its run's directory."""
-    return run_dir / f"rank_{rank}.log"
+    return run_dir / log_name(rank)
 
 
 class RunPaths:
@@ -99,16 +98,16 @@ class RunPaths:
 
     @property
     def payload(self) -> Path:
-        return self.directory / "payload.pkl"
+        return self.directory / PAYLOAD
 
     def log(self, rank: int) -> Path:
         return rank_log(self.directory, rank)
 
     def result(self, rank: int) -> Path:
-        return self.directory / f"rank_{rank}.result"
+        return self.directory / result_name(rank)
 
     def error(self, rank: int) -> Path:
-        return self.directory / f"rank_{rank}.error"
+        return self.directory / error_name(rank)
 
     def write_payload(self, *chunks: bytes) -> None:
         """Writes the payload, 0600, under a temporary name, fsynced, then renamed into place."""

@@ -1,0 +1,39 @@
+// The run contract, the engine's half: the messages a rank sends on its control channel, and
+// the kinds of what the engine reports up (events, output segments, why a run stopped).
+//
+// The Python half is src/fanrun/_run_contract.py. The bindings hand these to Python as
+// fanrun._core's CONTROL_* constants and its EventKind, SegmentKind and StopReason enums;
+// tests/test_run_contract.py holds the two halves equal.
+#pragma once
+
+#include <string_view>
+
+namespace fanrun {
+
+// The control channel: a pipe at this descriptor in every rank, one message a line.
+inline constexpr int kControlFd = 3;
+// "My error is written, I am failing": the engine stops the other ranks at once.
+inline constexpr std::string_view kControlFailed = "failed";
+// "My result is written": with expect_done, a rank that exits 0 without it has failed.
+inline constexpr std::string_view kControlDone = "done";
+// Followed by the length in decimal and a newline, then that many bytes, which go to the rank's
+// log alone, after what its pipes hold: the traceback of its failure, which the caller shows
+// with its exception, so that it is not shown twice.
+inline constexpr std::string_view kControlLog = "log ";
+
+// What a piece of a rank's output is.
+enum class SegmentKind {
+  kLine,      // ended by '\n' (or "\r\n"), or by the end of the stream
+  kPartial,   // the start of a line not ended yet (longer than the limit, or held too long);
+              // the segments that follow go on with the same line
+  kProgress,  // the current text of a line being redrawn with '\r' (a progress bar)
+};
+
+// What the supervisor reports. kTimedOut: the timeout struck just now; the stack-dump signal
+// is out, the ranks still run.
+enum class EventKind { kOutput, kRankFailed, kRankExited, kTimedOut };
+
+// Why a run stopped early; kNone while it has not.
+enum class StopReason { kNone, kRankFailed, kTimeout, kCancelled };
+
+}  // namespace fanrun

@@ -1,0 +1,254 @@
+"""How a run ended, for the caller: the ranks' results, or the root cause's exception (the
+rank's own, with its traceback chained, or one that says how it exited), or a timeout's."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import traceback
+from pathlib import Path
+
+from .. import _core
+from .._errors import RankFailedError, RemoteTraceback, ResultSerializationError, RunTimeoutError
+from .._rank import result_file
+from .._rank.worker import STACK_DUMP_SIGNAL
+from ..backends.base import STACK_DUMP_WAIT_S
+from .output import OutputMux
+from .paths import RunPaths
+
+
+def collect(name, ranks, paths, mux, timeout_report: TimeoutReport, timeout, returns_values: bool) -> list[object]:
+    """The ranks' results in rank order, or the exception that says how the run ended."""
+    world_size = ranks.world_size
+    reason = ranks.stop_reason
+    if reason == _core.StopReason.TIMEOUT:
+        running = list(ranks.ranks_running_at_timeout)
+        stacks, missing = timeout_report.split(running)
+        raise RunTimeoutError(
+            _timeout_message(name, timeout, running, stacks, missing, paths),
+            running_ranks=running,
+            stacks=stacks,
+            missing_stacks=missing,
+        )
+    if reason == _core.StopReason.RANK_FAILED:
+        error = _root_cause(ranks.first_failed_rank, ranks, paths, mux)
+        raise error from error.__cause__
+    if not returns_values:
+        return [None] * world_size
+    results = []
+    for rank in range(world_size):
+        try:
+            with paths.open_result(rank) as file:
+                results.append(result_file.read(file, paths.result(rank)))
+        except FileNotFoundError:
+            raise RankFailedError(
+                f"Rank {rank} of {world_size} (pid {ranks.pid(rank)}) returned, but its result file "
+                f"{paths.result(rank)} is gone: was the run directory removed during the call?\nFull log: {paths.log(rank)}",
+                rank=rank,
+                pid=ranks.pid(rank),
+                exit_code=0,
+                log_path=str(paths.log(rank)),
+                log_tail=list(mux.stderr_tails[rank]),
+            ) from None
+    return results
+
+
+
+def _root_cause(rank: int, ranks, paths: RunPaths, mux: OutputMux) -> BaseException:
+    world_size = ranks.world_size
+    pid = ranks.pid(rank)
+    log = str(paths.log(rank))
+    who = f"Rank {rank} of {world_size} (pid {pid})"
+    tail = list(mux.stderr_tails[rank])
+    common = dict(rank=rank, pid=pid, log_path=log, log_tail=tail)
+    envelope = _load_envelope(paths.error(rank))
+    if envelope is not None:
+        remote = RemoteTraceback(f"\n\nTraceback from rank {rank} (pid {pid}):\n{_format_remote(envelope)}")
+        if envelope["kind"] == "result":
+            error: BaseException = ResultSerializationError(
+                f"Rank {rank} returned a value of type {envelope['result_type']} that cannot be pickled to "
+                f"send back ({envelope['type']}: {envelope['message']}). Return plain data (numbers, "
+                f"lists, dicts, tensors, arrays), or save large objects to a file and return its path.",
+                rank=rank,
+                type_name=envelope["result_type"],
+            )
+            error.__cause__ = remote
+            return error
+        if envelope["kind"] == "exit":
+            code = envelope["exit_code"]
+            return RankFailedError(f"{who} called sys.exit({code!r}).{_tail_text(mux, rank)}\nFull log: {log}", exit_code=code, **common)
+        exception = _unpickle(envelope["exception"])
+        if exception is None:
+            error = RankFailedError(
+                f"{who} raised {envelope['type']}: {envelope['message']} "
+                f"(the exception could not be re-created here, so it is reported as this error)\nFull log: {log}",
+                exit_code=1,
+                **common,
+            )
+            error.__cause__ = remote
+            return error
+        _label(exception, rank, world_size, pid, log)
+        exception.__cause__ = remote
+        return exception
+    code, signo = ranks.exit_status(rank)
+    if signo:
+        name = _signal_name(signo)
+        message = f"{who} was killed by {name}"
+        if signo == signal.SIGKILL:
+            message += "; the kernel's out-of-memory killer is a likely cause (see `dmesg`)"
+        elif signo in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL):
+            message += ", a crash in native code; its Python stack, if it had one, is in its stderr"
+        return RankFailedError(message + f".{_tail_text(mux, rank)}\nFull log: {log}", signal_name=name, **common)
+    if code == 0:
+        # Only a function's rank fails with code 0: it ended without writing its result or error.
+        return RankFailedError(
+            f"{who} exited with code 0 without returning a result: the function neither returned nor raised "
+            f"(os._exit(0), or a library that ended the process).{_tail_text(mux, rank)}\nFull log: {log}",
+            exit_code=0,
+            **common,
+        )
+    return RankFailedError(f"{who} exited with code {code}.{_tail_text(mux, rank)}\nFull log: {log}", exit_code=code, **common)
+
+
+
+class TimeoutReport:
+    """What the ranks still running at a timeout left: each one's dumped stack, or why none came."""
+
+    def __init__(self, python: bool) -> None:
+        self._python = python
+        self._captured: dict[int, list[str]] = {}
+        self._obstacles: dict[int, str] = {}
+
+    def start(self, ranks, mux: OutputMux) -> None:
+        self._captured = mux.capture_stderr()
+        if self._python:
+            for rank in ranks.ranks_running_at_timeout:
+                obstacle = _dump_obstacle(ranks.pid(rank), STACK_DUMP_SIGNAL)
+                if obstacle is not None:
+                    self._obstacles[rank] = obstacle
+
+    def split(self, running: list[int]) -> tuple[dict[int, list[str]], dict[int, str]]:
+        """(the stacks dumped, by rank; why each other running rank has none)."""
+        stacks, missing = {}, {}
+        for rank in running:
+            lines = self._captured.get(rank, [])
+            if any(_STACK_HEADER in line for line in lines):
+                stacks[rank] = lines
+            elif not self._python:
+                missing[rank] = "a native program has no Python stack to dump"
+            else:
+                missing[rank] = self._obstacles.get(
+                    rank, f"it wrote no stack within {STACK_DUMP_WAIT_S:g} s of {STACK_DUMP_SIGNAL.name}"
+                )
+        return stacks, missing
+
+
+
+# What faulthandler writes above every thread's stack.
+_STACK_HEADER = "(most recent call first)"
+
+
+
+def _dump_obstacle(pid: int, signo: signal.Signals) -> str | None:
+    """Why `pid` cannot answer `signo` with a stack, as far as /proc tells; None if nothing seen."""
+    bit = 1 << (signo - 1)
+    try:
+        status = _proc_status(f"/proc/{pid}/status")
+        threads = [_proc_status(f"/proc/{pid}/task/{tid}/status") for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return None
+    state = status.get("State", "")
+    if state[:1] in ("T", "t"):
+        return f"it is stopped ({state}: SIGSTOP or a debugger)"
+    if int(status.get("SigIgn", "0"), 16) & bit:
+        return f"it ignores {signo.name}"
+    if threads and all(int(thread.get("SigBlk", "0"), 16) & bit for thread in threads):
+        return f"it blocks {signo.name} in every thread"
+    if not int(status.get("SigCgt", "0"), 16) & bit:
+        return f"it has no handler for {signo.name} (faulthandler's was removed)"
+    return None
+
+
+
+def _proc_status(path: str) -> dict[str, str]:
+    with open(path) as file:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in file if ":\t" in line)
+
+
+
+def _format_remote(envelope: dict) -> str:
+    """The rank's traceback with source lines looked up here, where a notebook's cells are known."""
+    frames = envelope.get("frames")
+    if not frames:
+        return envelope["traceback"]
+    summary = traceback.StackSummary.from_list([(f, n, name, None) for f, n, name in frames])
+    return "Traceback (most recent call last):\n" + "".join(summary.format()) + envelope["exception_only"]
+
+
+
+def _label(exception: BaseException, rank: int, world_size: int, pid: int, log: str) -> None:
+    """Names the rank in the message where the message is a plain string, and in a note always."""
+    args = exception.args
+    if type(exception).__str__ is BaseException.__str__ and len(args) == 1 and isinstance(args[0], str):
+        exception.args = (f"[rank {rank}] {args[0]}",)
+    exception.add_note(f"fanrun: raised on rank {rank} of {world_size} (pid {pid}); full log: {log}")
+
+
+
+def _load_envelope(path: Path) -> dict | None:
+    try:
+        with open(path, "rb") as file:
+            return pickle.load(file)
+    except FileNotFoundError:
+        return None
+
+
+
+def _unpickle(data: bytes | None) -> BaseException | None:
+    if data is None:
+        return None
+    try:
+        value = pickle.loads(data)
+    except Exception:
+        return None
+    return value if isinstance(value, BaseException) else None
+
+
+
+def _signal_name(signo: int) -> str:
+    try:
+        return signal.Signals(signo).name
+    except ValueError:
+        return f"signal {signo}"
+
+
+
+def _tail_text(mux: OutputMux, rank: int, lines: int = 20) -> str:
+    tail = list(mux.stderr_tails[rank])[-lines:]
+    if not tail:
+        return " It wrote nothing to stderr."
+    return "\nLast lines of its stderr:\n" + "\n".join("    " + line for line in tail)
+
+
+
+def _timeout_message(name, timeout, running, stacks, missing, paths, lines_per_rank: int = 40) -> str:
+    parts = [f"{name!r} timed out after {timeout:g} s; ranks still running: {', '.join(map(str, running)) or 'none'}."]
+    if stacks:
+        parts.append(f"Python stacks dumped before the kill: {_ranks(sorted(stacks))}.")
+    reasons: dict[str, list[int]] = {}
+    for rank, why in sorted(missing.items()):
+        reasons.setdefault(why, []).append(rank)
+    for why, ranks in reasons.items():
+        parts.append(f"No stack from {_ranks(ranks)}: {why}.")
+    for rank in sorted(stacks):
+        parts.append(f"--- rank {rank} ---")
+        parts.extend(stacks[rank][:lines_per_rank])
+    parts.append(f"Logs: {paths.directory}")
+    return "\n".join(parts)
+
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+

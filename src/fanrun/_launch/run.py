@@ -1,0 +1,106 @@
+"""One run: start every rank through a backend, relay its output, wait, and turn the outcome
+into the ranks' results or the root cause's exception."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from collections.abc import Callable, Mapping
+
+from .. import _core, backends
+from .._accelerators import Plan
+from ..backends.base import Launch, Ranks
+from . import hints
+from .outcome import TimeoutReport, collect
+from .output import OutputMux
+from .paths import RunPaths
+from .preflight import preflight
+from .program import RankProgram
+from .signals import SignalWakeup
+
+# Whether this process has said that it found no GPU: once is enough, a notebook that calls
+# again knows it by then.
+no_gpu_notice_shown = False
+
+
+
+def run(
+    *,
+    name: str,
+    plan: Plan,
+    program: RankProgram,
+    timeout: float | None,
+    payload: bytes | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    on_paths: Callable[[RunPaths], None] | None = None,
+) -> list[object]:
+    """Runs `program` on every rank of `plan`; returns the results in rank order
+    (None for each rank of a script or native program) or raises the root cause.
+
+    `extra_env` is set in every rank on top of the caller's environment (fanrun's own
+    variables still win); `on_paths` learns the run's files before any rank starts, so
+    that the caller can read the logs afterwards, whatever the outcome."""
+    preflight(plan)
+    global no_gpu_notice_shown
+    if plan.notice and not no_gpu_notice_shown:
+        no_gpu_notice_shown = True
+        print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
+    paths = RunPaths.create(name)
+    ranks: Ranks | None = None
+    try:
+        if on_paths is not None:
+            on_paths(paths)
+        if payload is not None:
+            paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), payload)
+        mux = OutputMux(plan.world_size)
+        with SignalWakeup() as wakeup:
+            launch = Launch(program=program, paths=paths, env={**os.environ, **(extra_env or {})}, timeout=timeout,
+                            # A function's rank that ends without its result or its error has failed.
+                            expect_done=payload is not None, wakeup_fd=wakeup.read_fd)
+            ranks = backends.for_plan(plan).start(plan, launch)
+            timeout_report = TimeoutReport(python=program.python)
+            try:
+                _pump(ranks, mux, wakeup, timeout_report)
+            except BaseException:
+                # Interrupted (Ctrl+C, a kernel interrupt) or broken: stop every rank
+                # before the exception leaves, and keep relaying output meanwhile.
+                ranks.cancel()
+                try:
+                    _pump(ranks, mux, wakeup, timeout_report)
+                except BaseException:
+                    ranks.kill_and_reap()  # a second interrupt: no more grace
+                raise
+            finally:
+                mux.close()
+        return collect(name, ranks, paths, mux, timeout_report, timeout, returns_values=payload is not None)
+    except Exception as error:
+        if not plan.use_gpus:
+            hints.note_gpu_call_on_cpu(error, plan.description)
+        raise
+    finally:
+        if ranks is not None:
+            ranks.close()
+        try:
+            paths.remove_bulky_files(plan.world_size)
+        finally:
+            paths.close()
+
+
+def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: TimeoutReport) -> None:
+    while True:
+        events, interrupted, done = ranks.wait(mux.seconds_to_redraw())
+        for kind, rank, stream, segment, data, _exit in events:
+            if kind == _core.EventKind.OUTPUT:
+                mux.write(rank, stream, segment, data)
+            elif kind == _core.EventKind.TIMED_OUT:
+                # The stack-dump signal is out and the ranks still run: from here, stderr is
+                # kept, and what stands in the way of a dump can still be seen.
+                timeout_report.start(ranks, mux)
+        mux.flush()
+        if interrupted:
+            # Python's own handler runs as soon as this returns to the loop: a
+            # KeyboardInterrupt is raised right here, between two waits.
+            wakeup.drain()
+        if done:
+            return

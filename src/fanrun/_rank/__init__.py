@@ -1,0 +1,8 @@
+"""What runs inside each rank. Standard library only at import: a rank loads these files by
+path (worker.py with runpy, the others from it), never through the fanrun package, so its
+start-up costs the user's imports and nothing more.
+
+  worker.py       read the call, run it, send back a result or an error envelope
+  contract.py     the run contract: file names, environment names, control messages
+  result_file.py  a result on disk, large tensors out of band (the caller reads it too)
+"""

@@ -1,0 +1,48 @@
+"""The run contract, Python's half: the files of a run's directory, the environment fanrun gives
+every rank, and the messages a rank sends the engine on its control channel.
+
+The engine's half is cpp/include/fanrun/run_contract.h, which fanrun._core hands over as its
+CONTROL_* constants and its EventKind, SegmentKind and StopReason enums;
+tests/test_run_contract.py holds the two halves equal. A rank's worker loads this file by
+path, before anything else: it imports nothing.
+"""
+
+# In a run's directory (_paths.RunPaths makes it).
+# The call, written by the caller: a pickled header (the caller's sys.path), then the pickled
+# (function, args, kwargs).
+PAYLOAD = "payload.pkl"
+# Marks the directory as a run of fanrun's, and is locked (flock) while its call lasts.
+RUN_MARKER = ".fanrun-run"
+
+
+def result_name(rank: int) -> str:
+    """The rank's return value, in _result_file's format; written by the rank."""
+    return f"rank_{rank}.result"
+
+
+def error_name(rank: int) -> str:
+    """The rank's error envelope (a pickled dict, _worker._fail); written by the rank when it fails."""
+    return f"rank_{rank}.error"
+
+
+def log_name(rank: int) -> str:
+    """Everything the rank wrote to stdout and stderr, byte for byte; written by the engine."""
+    return f"rank_{rank}.log"
+
+
+# fanrun's variables in every rank's environment, besides torchrun's.
+ENV_RUN_ID = "FANRUN_RUN_ID"  # the run's directory name: shared by its ranks, and by nothing else
+ENV_RUN_DIR = "FANRUN_RUN_DIR"  # the run's directory
+ENV_CONTROL_FD = "FANRUN_CONTROL_FD"  # CONTROL_FD, where the engine gave the rank its control channel
+ENV_ACCELERATOR = "FANRUN_ACCELERATOR"  # "gpu" or "cpu"
+ENV_TRACKING = "FANRUN_MLFLOW"  # what the rank's MLflow does (_rank_tracking); unset outside @distributed
+
+# The control channel: a pipe at this descriptor in every rank, one message a line.
+CONTROL_FD = 3
+# "My error is written, I am failing": the engine stops the other ranks at once.
+CONTROL_FAILED = "failed"
+# "My result is written": a function's rank that exits without it has failed.
+CONTROL_DONE = "done"
+# Followed by the length in decimal and a newline, then that many bytes, which go to the rank's
+# log alone: the traceback of its failure, which the caller shows with its exception.
+CONTROL_LOG = "log "

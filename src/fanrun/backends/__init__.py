@@ -1,0 +1,21 @@
+"""Where a call's ranks run. Each backend starts the ranks of a plan (nodes x local ranks),
+streams their output, reports their events and stops them, behind one interface (base.py);
+the launcher (fanrun._launch) drives any of them the same way.
+
+  local.py   this machine: the engine's supervisor, one keeper per rank
+"""
+
+from __future__ import annotations
+
+from .base import Backend, Launch, Ranks
+from .local import LocalBackend
+
+
+def for_plan(plan) -> Backend:
+    """The backend that runs this plan."""
+    if plan.nodes != 1:
+        raise ValueError(f"a plan of {plan.nodes} nodes needs a cluster backend; this machine runs one node")
+    return LocalBackend()
+
+
+__all__ = ["Backend", "Launch", "Ranks", "LocalBackend", "for_plan"]

@@ -1,0 +1,66 @@
+"""The interface between the launcher and a backend: what a backend is given to start a call's
+ranks (Launch), and what it hands back to follow and stop them (Ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Protocol
+
+from .. import _core
+from .._accelerators import Plan
+from .._launch.paths import RunPaths
+from .._launch.program import RankProgram
+
+# From SIGTERM to SIGKILL when the run stops early.
+KILL_GRACE_S = 5.0
+
+# How long ranks get to write their stacks at a timeout before they are stopped.
+STACK_DUMP_WAIT_S = 1.0
+
+
+# An event: (kind, rank, stream, segment, bytes, (exit code, signal)), as the engine reports it.
+Event = tuple[_core.EventKind, int, int, _core.SegmentKind, bytes, tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One call, as every backend gets it."""
+
+    program: RankProgram
+    paths: RunPaths  # the run's files: logs, payload, results, error files
+    env: Mapping[str, str]  # the caller's environment, with what the call adds (tracking)
+    timeout: float | None
+    expect_done: bool  # a function's ranks report "done" once their result is written
+    wakeup_fd: int  # a descriptor that a signal makes readable: wait() then returns "interrupted"
+
+
+class Ranks(Protocol):
+    """A call's ranks once started: their events, their end, and how they ended."""
+
+    world_size: int
+    stop_reason: _core.StopReason
+    first_failed_rank: int
+    ranks_running_at_timeout: list[int]
+
+    def wait(self, max_wait_s: float = -1.0) -> tuple[list[Event], bool, bool]:
+        """(events, interrupted, done): waits at most max_wait_s (no limit below 0)."""
+
+    def cancel(self) -> None:
+        """Stops every rank: SIGTERM, then SIGKILL after the grace period."""
+
+    def kill_and_reap(self) -> None:
+        """Kills every rank now and waits for them."""
+
+    def pid(self, rank: int) -> int: ...
+
+    def exit_status(self, rank: int) -> tuple[int, int] | None: ...
+
+    def close(self) -> None:
+        """Releases what the ranks no longer need (a rendezvous); called once, at the end."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def start(self, plan: Plan, launch: Launch) -> Ranks: ...
