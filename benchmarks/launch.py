@@ -251,7 +251,7 @@ def started_processes(marker: bytes) -> dict[int, str]:
 def lasting_processes() -> set[int]:
     """Processes that live as long as this one by design, not leftovers of a measurement: fanrun's
     tracking agent, started by the first tracked call and serving every later one."""
-    agent_connection = sys.modules.get("fanrun._agent_connection")
+    agent_connection = sys.modules.get("fanrun._tracking.agent_connection")
     pid = agent_connection.agent_pid() if agent_connection is not None else None
     return {pid} if pid is not None else set()
 

@@ -30,7 +30,7 @@ os.environ["FANRUN_TRACKING"] = "0"
 # fanrun's default MLflow store lives under $XDG_DATA_HOME: the tests' own, never the user's.
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="fanrun-test-data-")
 
-import fanrun._agent_connection  # noqa: E402
+import fanrun._tracking.agent_connection  # noqa: E402
 import fanrun._launch.run  # noqa: E402
 
 # The tests that read a call's exact output run in this process, in any order: the line a
@@ -47,7 +47,7 @@ def runs_dir() -> Path:
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
     yield
-    agent = fanrun._agent_connection.agent_pid()
+    agent = fanrun._tracking.agent_connection.agent_pid()
     left = processes_of_runs_under(_RUNS) + [found for found in tracking_agents_of(os.getpid()) if found[0] != agent]
     assert not left, f"processes of fanrun runs are still alive after the test: {left}"
 
@@ -55,5 +55,5 @@ def no_process_left_behind():
 @pytest.fixture(scope="session", autouse=True)
 def tracking_agent_stopped_at_the_end():
     yield
-    fanrun._agent_connection.shutdown(wait_s=60)
+    fanrun._tracking.agent_connection.shutdown(wait_s=60)
     assert tracking_agents_of(os.getpid()) == []

@@ -32,7 +32,7 @@ def processes_with_environment(marker: bytes) -> list[tuple[int, str]]:
 
 
 def tracking_agents_of(parent: int) -> list[tuple[int, str]]:
-    """Live MLflow agents (_tracking_agent.py) that `parent` started: each must end with its call."""
+    """Live MLflow agents (_tracking/agent.py) that `parent` started: each must end with its call."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -47,7 +47,7 @@ def tracking_agents_of(parent: int) -> list[tuple[int, str]]:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, ValueError, IndexError):
             continue
-        if "fanrun._tracking_agent" in command:
+        if "fanrun._tracking.agent" in command:
             found.append((pid, command[:200]))
     return found
 

@@ -18,11 +18,38 @@ def test_importing_fanrun_data_loads_no_launcher_tracking_or_mlflow():
     loaded = modules_after("import fanrun.data")
     caller_side = {m for m in loaded if m.split(".")[0] == "mlflow"} | {
         m for m in loaded
-        if m in ("fanrun._decorator", "fanrun._payload", "fanrun._torch_distributor", "fanrun._metric_relay",
-                 "fanrun._system_metrics")
+        if m in ("fanrun._decorator", "fanrun._payload", "fanrun._torch_distributor")
         or m.startswith(("fanrun._tracking", "fanrun._launch", "fanrun.backends"))
     }
     assert caller_side == set()
+
+
+# Every module under fanrun/_rank, loaded as a rank loads it (by path) and as the caller's side
+# imports it, with the packages a user's environment may lack made unimportable.
+RANK_PACKAGE_ALONE = """
+import importlib, pathlib, runpy, sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "mlflow", "cloudpickle", "numpy"):
+            raise ImportError(f"{name} is not importable here")
+
+sys.meta_path.insert(0, Refuse())
+import fanrun._rank
+folder = pathlib.Path(fanrun._rank.__file__).parent
+for path in sorted(folder.glob("*.py")):
+    runpy.run_path(str(path))
+    importlib.import_module(f"fanrun._rank.{path.stem}")
+print(" ".join(sorted(path.stem for path in folder.glob("*.py"))))
+"""
+
+
+def test_the_rank_package_loads_with_torch_mlflow_and_cloudpickle_unimportable():
+    done = subprocess.run([sys.executable, "-c", RANK_PACKAGE_ALONE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["__init__", "contract", "metric_sender", "result_file", "tracking", "tracking_off", "worker"]
+    loaded = modules_after("import fanrun._rank.worker, fanrun._rank.tracking, fanrun._rank.result_file")
+    assert {m for m in loaded if m.split(".")[0] in ("torch", "mlflow", "cloudpickle", "numpy")} == set()
 
 
 def test_the_call_machinery_loads_when_first_named():

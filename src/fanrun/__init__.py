@@ -17,7 +17,9 @@ from ._errors import PayloadSerializationError as PayloadSerializationError
 from ._errors import RankFailedError as RankFailedError
 from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import ResultSerializationError as ResultSerializationError
+from ._errors import RunNotFoundError as RunNotFoundError
 from ._errors import RunTimeoutError as RunTimeoutError
+from ._errors import TrackingWarning as TrackingWarning
 from ._errors import UnsafePathError as UnsafePathError
 from ._errors import WorkingDirectoryError as WorkingDirectoryError
 
@@ -29,14 +31,14 @@ _CALL_MACHINERY = {
     "distributed": "_decorator",
     "DistributedFunction": "_decorator",
     "TorchDistributor": "_torch_distributor",
-    "flush_tracking": "_tracking",
+    "flush_tracking": "_tracking.caller",
 }
 
 if TYPE_CHECKING:
     from ._decorator import DistributedFunction as DistributedFunction
     from ._decorator import distributed as distributed
     from ._torch_distributor import TorchDistributor as TorchDistributor
-    from ._tracking import flush_tracking as flush_tracking
+    from ._tracking.caller import flush_tracking as flush_tracking
 
 
 def __getattr__(name: str):

@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     # A scheduler's SIGTERM stops the ranks the same way as Ctrl+C does.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     if options.command == "ui":
-        from . import _ui
+        from ._tracking import ui
 
-        return _ui.main(options.backend_store_uri, options.port)
+        return ui.main(options.backend_store_uri, options.port)
     try:
         _cli_torchrun.check_flags(options)
         count, cpu = (None, False) if options.num_accelerators is None else _cli_torchrun.nproc_per_node(options.num_accelerators)

@@ -9,8 +9,10 @@ import numbers
 import warnings
 from typing import Any, Callable, Generic, TypeVar
 
-from . import _accelerators, _errors, _payload, _tracking
+from . import _accelerators, _errors, _payload
+from ._tracking import caller as call_tracking
 from ._launch import preflight, program, run
+from ._launch.paths import RunPaths
 from ._accelerators import AcceleratorRequest
 
 DEFAULT_TIMEOUT = 3 * 60 * 60  # seconds
@@ -64,16 +66,19 @@ class DistributedFunction(Generic[R]):
         # The GPUs the ranks get, in rank order: the ones the run's system metrics describe.
         gpu_indices = [gpu.nvml_index for gpu in inventory.visible[: plan.world_size]] if plan.use_gpus else []
         # The MLflow run starts once the call is known to be sendable, and ends with its outcome.
-        with _tracking.track(function_name=name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
-            return run.run(
-                name=name,
-                plan=plan,
-                program=program.RankProgram.function(),
-                timeout=options.timeout,
-                payload=payload,
-                extra_env=tracked.rank_env,
-                on_paths=tracked.attach_paths,
-            )
+        with call_tracking.track(function_name=name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
+            # One run directory, for the launcher and for tracking, which uploads its logs.
+            with RunPaths.create(name) as paths:
+                tracked.paths = paths
+                return run.run(
+                    name=name,
+                    plan=plan,
+                    program=program.RankProgram.function(),
+                    timeout=options.timeout,
+                    payload=payload,
+                    extra_env=tracked.rank_env,
+                    paths=paths,
+                )
 
     def __repr__(self) -> str:
         return f"<fanrun.distributed {getattr(self._fn, '__qualname__', self._fn)!r}>"
@@ -132,7 +137,7 @@ def distributed(
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:
         if not callable(fn):
             raise TypeError(f"@distributed decorates a function, not a {type(fn).__name__}")
-        _tracking.start_agent_early(options)
+        call_tracking.start_agent_early(options)
         return DistributedFunction(fn, options)
 
     return decorate

@@ -67,6 +67,14 @@ class RunTimeoutError(TimeoutError, FanrunError):
         self.missing_stacks = missing_stacks or {}
 
 
+class RunNotFoundError(LookupError, FanrunError):
+    """run_id= names no MLflow run in the tracking store the call logs to."""
+
+
+class TrackingWarning(UserWarning):
+    """MLflow tracking could not be done for a call; the call itself went on."""
+
+
 class WorkingDirectoryError(FileNotFoundError, FanrunError):
     """The caller's working directory, where every rank starts, no longer exists."""
 

@@ -143,6 +143,12 @@ class RunPaths:
                 os.close(fd)
         self._lock_fd = self._dir_fd = -1
 
+    def __enter__(self) -> RunPaths:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def _hold_marker(dir_fd: int) -> int:
     """Creates the run's marker already locked, under a temporary name renamed into place:

@@ -18,7 +18,6 @@ DESCRIPTORS_TO_START = 16
 FIRST_HIGH_DESCRIPTOR = 64
 
 
-
 def preflight(plan: Plan) -> None:
     """What would stop a run halfway, found before anything starts: a working directory that
     was deleted (the ranks start in it, and importing torch there crashes), and a descriptor

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from .. import _core, backends
 from .._accelerators import Plan
@@ -24,7 +24,6 @@ from .signals import SignalWakeup
 no_gpu_notice_shown = False
 
 
-
 def run(
     *,
     name: str,
@@ -33,24 +32,37 @@ def run(
     timeout: float | None,
     payload: bytes | None = None,
     extra_env: Mapping[str, str] | None = None,
-    on_paths: Callable[[RunPaths], None] | None = None,
+    paths: RunPaths | None = None,
 ) -> list[object]:
     """Runs `program` on every rank of `plan`; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
 
     `extra_env` is set in every rank on top of the caller's environment (fanrun's own
-    variables still win); `on_paths` learns the run's files before any rank starts, so
-    that the caller can read the logs afterwards, whatever the outcome."""
+    variables still win). `paths` is the run's directory where the caller made it already
+    (tracking reads the logs there afterwards), and stays the caller's to close; without it,
+    the run makes its own once the plan has passed its checks."""
     preflight(plan)
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
         no_gpu_notice_shown = True
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
-    paths = RunPaths.create(name)
+    if paths is None:
+        with RunPaths.create(name) as own_paths:
+            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env)
+    return _run_in(paths, name, plan, program, timeout, payload, extra_env)
+
+
+def _run_in(
+    paths: RunPaths,
+    name: str,
+    plan: Plan,
+    program: RankProgram,
+    timeout: float | None,
+    payload: bytes | None,
+    extra_env: Mapping[str, str] | None,
+) -> list[object]:
     ranks: Ranks | None = None
     try:
-        if on_paths is not None:
-            on_paths(paths)
         if payload is not None:
             paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), payload)
         mux = OutputMux(plan.world_size)
@@ -81,10 +93,7 @@ def run(
     finally:
         if ranks is not None:
             ranks.close()
-        try:
-            paths.remove_bulky_files(plan.world_size)
-        finally:
-            paths.close()
+        paths.remove_bulky_files(plan.world_size)
 
 
 def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: TimeoutReport) -> None:

@@ -7,7 +7,7 @@ tests/test_run_contract.py holds the two halves equal. A rank's worker loads thi
 path, before anything else: it imports nothing.
 """
 
-# In a run's directory (_paths.RunPaths makes it).
+# In a run's directory (_launch/paths.py's RunPaths makes it).
 # The call, written by the caller: a pickled header (the caller's sys.path), then the pickled
 # (function, args, kwargs).
 PAYLOAD = "payload.pkl"
@@ -16,12 +16,12 @@ RUN_MARKER = ".fanrun-run"
 
 
 def result_name(rank: int) -> str:
-    """The rank's return value, in _result_file's format; written by the rank."""
+    """The rank's return value, in result_file.py's format; written by the rank."""
     return f"rank_{rank}.result"
 
 
 def error_name(rank: int) -> str:
-    """The rank's error envelope (a pickled dict, _worker._fail); written by the rank when it fails."""
+    """The rank's error envelope (a pickled dict, worker.py's _fail); written by the rank when it fails."""
     return f"rank_{rank}.error"
 
 
@@ -35,7 +35,7 @@ ENV_RUN_ID = "FANRUN_RUN_ID"  # the run's directory name: shared by its ranks, a
 ENV_RUN_DIR = "FANRUN_RUN_DIR"  # the run's directory
 ENV_CONTROL_FD = "FANRUN_CONTROL_FD"  # CONTROL_FD, where the engine gave the rank its control channel
 ENV_ACCELERATOR = "FANRUN_ACCELERATOR"  # "gpu" or "cpu"
-ENV_TRACKING = "FANRUN_MLFLOW"  # what the rank's MLflow does (_rank_tracking); unset outside @distributed
+ENV_TRACKING = "FANRUN_MLFLOW"  # what the rank's MLflow does (_rank/tracking.py); unset outside @distributed
 
 # The control channel: a pipe at this descriptor in every rank, one message a line.
 CONTROL_FD = 3

@@ -63,7 +63,7 @@ def main() -> None:
     if os.environ.get(_contract.ENV_TRACKING):
         # A call of @distributed: when the function imports mlflow, the call's run becomes
         # active there, or MLflow logs nowhere if the call is not tracked.
-        _sibling("../_rank_tracking.py")["install"]()
+        _sibling("tracking.py")["install"]()
     mode = sys.argv[1]
     run_dir = Path(os.environ[_contract.ENV_RUN_DIR])
     rank = int(os.environ["RANK"])

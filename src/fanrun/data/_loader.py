@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.utils.data
 
-from .. import _rank_tracking
+from .._rank import tracking as rank_tracking
 from ._dataset import VolumeDataset
 from ._first_batches import FirstBatchTurns
 
@@ -171,7 +171,7 @@ def _tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) 
 
 def _log_to_run(stalled_fraction: float, wait_seconds: float, step: int) -> None:
     # Only inside a tracked call, where importing mlflow makes the call's run this rank's active run.
-    if os.environ.get(_rank_tracking.VARIABLE, _rank_tracking.OFF) == _rank_tracking.OFF:
+    if os.environ.get(rank_tracking.VARIABLE, rank_tracking.OFF) == rank_tracking.OFF:
         return
     try:
         import mlflow

@@ -1,4 +1,4 @@
-"""The control channel between a caller and its tracking agent (_agent_connection.py, _tracking_agent.py):
+"""The control channel between a caller and its tracking agent (agent_connection.py, agent.py):
 one JSON object per packet of a SOCK_SEQPACKET socket pair, and the bounds both ends keep.
 
 Every message names its call by the id the caller gave it, so that one agent serves the calls of

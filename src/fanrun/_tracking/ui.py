@@ -1,6 +1,6 @@
 """`fanrun ui`: MLflow's UI for fanrun's store (or another local store), served on 127.0.0.1 in
 the foreground until Ctrl+C. While it runs, the line each tracked call prints links to its run
-there: the server's address is recorded in a private file the calls read (_tracking_store.py).
+there: the server's address is recorded in a private file the calls read (store.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 import urllib.error
 import urllib.request
 
-from . import _tracking_store
-from ._errors import UnsafePathError
+from . import store as tracking_store
+from .._errors import UnsafePathError
 
 # MLflow's own default port, when it is free.
 DEFAULT_PORT = 5000
@@ -29,12 +29,12 @@ LOOPBACK = "127.0.0.1"
 def main(backend_store_uri: str | None, port: int | None) -> int:
     try:
         if backend_store_uri is None:
-            store = _tracking_store.default_store()
+            store = tracking_store.default_store()
             store.create()
             uri, artifacts = store.uri, store.artifacts
         else:
             uri, artifacts = backend_store_uri, None
-        log_path = _tracking_store.private_folder("ui") / _tracking_store.ui_record_path(uri).with_suffix(".log").name
+        log_path = tracking_store.private_folder("ui") / tracking_store.ui_record_path(uri).with_suffix(".log").name
     except UnsafePathError as error:
         print(f"fanrun: {error}", file=sys.stderr)
         return 1
@@ -58,7 +58,7 @@ def main(backend_store_uri: str | None, port: int | None) -> int:
                 print(f"fanrun: the MLflow UI did not start (exit status {server.poll()}); its log, {log_path}:\n"
                       f"{_tail(log_path)}", file=sys.stderr)
                 return 1
-            record = _tracking_store.record_ui(uri, url)
+            record = tracking_store.record_ui(uri, url)
             print(f"fanrun: MLflow UI for {uri} at {url} (Ctrl+C stops it; server log: {log_path})", flush=True)
             code = server.wait()
             print(f"fanrun: the MLflow UI ended by itself (exit status {code}); its log:\n{_tail(log_path)}", file=sys.stderr)

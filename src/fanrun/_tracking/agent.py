@@ -1,5 +1,5 @@
 """The process that does a caller's MLflow work: one per caller process, started with its first
-tracked call (_agent_connection.py) and serving every call after it.
+tracked call (agent_connection.py) and serving every call after it.
 
 Importing mlflow and opening a store cost about two seconds of CPU, most of it Python. In a
 thread of the caller that time would be taken turn about with the caller's own Python work,
@@ -8,8 +8,8 @@ another core, and leaves the caller's process as it was: no mlflow imported ther
 lines or tqdm warnings in a notebook's cell. Kept for the caller's life, it is paid once: a later
 call's run is made in milliseconds, and its close is done while the caller goes on.
 
-Each call is a CallRun (_tracked_run.py) in a thread of its own. The main thread only reads the
-caller's messages (_agent_channel.py), and watches the caller: when its channel closes or the
+Each call is a CallRun (agent_run.py) in a thread of its own. The main thread only reads the
+caller's messages (agent_channel.py), and watches the caller: when its channel closes or the
 caller's process ends (a pidfd: a forked child that inherited the channel does not count), every
 call without an outcome is closed as KILLED, every close under way is given until
 EXIT_DEADLINE_S, and the agent exits. Its stderr goes to a file the caller reads only if it fails.
@@ -24,8 +24,8 @@ import sys
 import threading
 import time
 
-from ._agent_channel import FINISH_DEADLINE_S, receive, send
-from ._tracked_run import CALLER_ENDED, CallRun
+from .agent_channel import FINISH_DEADLINE_S, receive, send
+from .agent_run import CALLER_ENDED, CallRun
 
 # Once the caller is gone, how long the agent may still take to close what it has.
 EXIT_DEADLINE_S = FINISH_DEADLINE_S

@@ -3,17 +3,19 @@ rank whose function imports mlflow, ended with the call's outcome; parameters, r
 system metrics logged on it.
 
 This is the caller's half. The MLflow work itself is done by the process's tracking agent
-(_agent_connection.py, _tracking_agent.py), so that importing mlflow and opening the store
+(agent_connection.py, agent.py), so that importing mlflow and opening the store
 happen once per process, beside the caller's own work and the ranks' start, and the caller's
 process never imports mlflow. The ranks learn the run through a socket the caller makes before
 they start and hands to the agent, and only when their function imports mlflow
-(_rank_tracking.py): a function that never does never waits for the run.
+(_rank/tracking.py): a function that never does never waits for the run.
 
 A call waits for the agent only where it must: a run_id= to resume is checked before any rank
-starts (a mistake there must stop the call), and a call that succeeded returns once its run
-exists, so that its line is shown and the run can be read. It never waits for the run to be
-closed: the agent closes it in the background, and a failing call raises at once.
-flush_tracking() waits for the closes, and so does the caller's exit.
+starts (a mistake there must stop the call). Otherwise it never waits for MLflow: the run's line
+is shown as soon as the run exists, what the ranks logged before then is kept by the agent, and
+the agent closes the run in the background; a call returns or raises as soon as its ranks have
+ended, so that tracking adds nothing to it that a slow import or store could stretch.
+flush_tracking() waits for the closes (and so for the runs' final state), and so does the
+caller's exit.
 """
 
 from __future__ import annotations
@@ -32,15 +34,15 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from . import _agent_connection
-from . import _rank_tracking as rank_half
-from . import _tracking_store
-from ._accelerators import Plan
-from ._agent_channel import AGENT_START_S, FINISH_DEADLINE_S, START_DEADLINE_S
-from ._errors import RunTimeoutError
-from ._metric_relay import RelaySocket
-from ._launch.paths import RunPaths
-from ._run_links import TrackedRun, announce, in_jupyter_kernel
+from . import agent_connection
+from .._rank import tracking as rank_half
+from . import store as tracking_store
+from .._accelerators import Plan
+from .agent_channel import AGENT_START_S, FINISH_DEADLINE_S, START_DEADLINE_S
+from .._errors import RunNotFoundError, RunTimeoutError, TrackingWarning
+from .metric_relay import RelaySocket
+from .._launch.paths import RunPaths
+from .links import TrackedRun, announce, in_jupyter_kernel
 
 # MLflow refuses longer tag values (5000 characters on some stores).
 MAX_TAG_CHARS = 4000
@@ -49,21 +51,6 @@ AGENT_EXIT_WAIT_S = 5.0
 _OFF_VALUES = {"0", "false", "no", "off"}
 _notice_lock = threading.Lock()
 _notices_shown: set[str] = set()
-
-
-class TrackingWarning(UserWarning):
-    """MLflow tracking could not be done for a call; the call itself went on."""
-
-
-@dataclasses.dataclass
-class TrackedCall:
-    """What DistributedFunction.distributed hands to the launcher, tracked or not."""
-
-    rank_env: dict[str, str] = dataclasses.field(default_factory=dict)
-    paths: RunPaths | None = None
-
-    def attach_paths(self, paths: RunPaths) -> None:
-        self.paths = paths
 
 
 def enabled(tracking: bool) -> bool:
@@ -77,9 +64,18 @@ def start_agent_early(options: Any) -> None:
     if options.leave_mlflow_alone or not enabled(options.tracking) or not in_jupyter_kernel() or not _mlflow_installed():
         return
     try:
-        _agent_connection.connection()
+        agent_connection.connection()
     except OSError:
         pass  # the first call tries again, and says why it could not
+
+
+@dataclasses.dataclass
+class TrackedCall:
+    """What the ranks need from tracking, and the run's directory, which the decorator makes
+    once tracking has let the call go on (a run_id= that names no run stops it first)."""
+
+    rank_env: dict[str, str]
+    paths: RunPaths | None = None
 
 
 @contextlib.contextmanager
@@ -87,14 +83,14 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
     """Starts the call's MLflow run (or not), yields what the ranks need, and hands the agent the
     call's outcome: FINISHED, KILLED (interrupt, timeout) or FAILED (anything else)."""
     if options.leave_mlflow_alone:
-        yield TrackedCall()
+        yield TrackedCall({})
         return
-    call = TrackedCall(rank_env={rank_half.VARIABLE: rank_half.OFF})
+    untracked = TrackedCall({rank_half.VARIABLE: rank_half.OFF})
     if not enabled(options.tracking):
         try:
-            yield call
+            yield untracked
         finally:
-            _tell_if_dropped(call.paths)
+            _tell_if_dropped(untracked.paths)
         return
     if not _mlflow_installed():
         _notice_once(
@@ -102,7 +98,7 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
             "fanrun: MLflow is not installed, so this call is not tracked "
             "(pip install mlflow to track it; tracking=False hides this notice).",
         )
-        yield call
+        yield untracked
         return
     show_warnings()  # what the agent had to say about earlier calls' runs
     run = _CallRun(function_name, plan, options, gpu_indices)
@@ -111,12 +107,12 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
     except OSError as error:  # UnsafePathError included
         _warn(f"fanrun: MLflow tracking is off for this call of {function_name!r}: {error}. The function still "
               f"runs on every rank; what it logs with mlflow is dropped.")
-        yield call
+        yield untracked
         return
+    call = TrackedCall(run.rank_environment())
     try:
         if options.run_id is not None:
             run.wait_opened()  # a run_id that names no run raises here, before any rank starts
-        call.rank_env = run.rank_environment()
         yield call
     except BaseException as error:
         run.end(call.paths, plan.world_size, error)
@@ -158,14 +154,14 @@ class _CallRun:
 
     def start(self) -> None:
         if self._in_fanrun_store:
-            store = _tracking_store.default_store()
+            store = tracking_store.default_store()
             self._call["store_dir"] = str(store.directory)
             # MLflow's own variable, so that the agent, the ranks, the processes this one starts
             # and its own later mlflow calls (mlflow.search_runs) all find the same runs.
             os.environ["MLFLOW_TRACKING_URI"] = store.uri
         self.socket = RelaySocket()
         try:
-            self._agent = _agent_connection.connection()
+            self._agent = agent_connection.connection()
             self._id = self._agent.open_call(self._call, self.socket.listener.fileno(), self)
         except BaseException:
             self.socket.close()
@@ -190,7 +186,7 @@ class _CallRun:
         if not self._answered.wait(AGENT_START_S + START_DEADLINE_S):
             self._warn_off(f"no answer from the process that tracks it within {AGENT_START_S + START_DEADLINE_S:g} s")
         if self._not_found is not None:
-            raise ValueError(self._not_found)  # the agent has ended the call already
+            raise RunNotFoundError(self._not_found)  # the agent has ended the call already
 
     def answered(self, kind: str, body: dict) -> None:
         """The agent's answer, in the connection's reader thread: the run's line (or link) appears
@@ -198,8 +194,7 @@ class _CallRun:
         with self._lock:
             if kind == "opened":
                 self.run = TrackedRun(client=None, first_system_step=0, **{k: v for k, v in body.items() if k != "id"})
-                if not self._ended:
-                    announce(self.run)
+                announce(self.run)  # after a quick call's end too: its run exists from now on
             elif kind == "not_found":
                 self._not_found = body["message"]
             else:
@@ -207,8 +202,9 @@ class _CallRun:
             self._answered.set()
 
     def end(self, paths: RunPaths | None, world_size: int, error: BaseException | None) -> None:
-        """Hands the agent the outcome. A failed call returns at once; a call that succeeded
-        waits, within START_DEADLINE_S, for its run to exist, never for it to be closed."""
+        """Hands the agent the outcome and returns: the agent makes the run if it has not yet,
+        logs what the ranks sent, and closes it. A problem it meets from now on is shown at the
+        next call, at flush_tracking() or at exit."""
         status, tags = outcome(error)
         self._agent.finish_call(self._id, {
             "status": status, "tags": tags, "world_size": world_size,
@@ -216,14 +212,8 @@ class _CallRun:
         })
         # Every rank has ended: none will connect to the socket again.
         self.socket.close()
-        try:
-            if error is None and not self._answered.wait(START_DEADLINE_S):
-                self._warn(f"fanrun: the MLflow run of this call of {self.function_name!r} was not made within "
-                           f"{START_DEADLINE_S:g} s of the call's end; if the tracking store makes it later, it is "
-                           f"closed as {status}. The call's outcome is unchanged.")
-        finally:
-            with self._lock:
-                self._ended = True
+        with self._lock:
+            self._ended = True
         if self._raised is not None and error is None:
             raise self._raised
 
@@ -237,7 +227,7 @@ class _CallRun:
         turn it into an error, the call raises it at its end."""
         if self._ended:
             # The call has returned or raised: shown at the next call, or at exit.
-            _agent_connection.add_warning(message, self.warning_at)
+            agent_connection.add_warning(message, self.warning_at)
             return
         try:
             warnings.warn_explicit(message, TrackingWarning, *self.warning_at)
@@ -255,7 +245,7 @@ def flush_tracking(timeout: float | None = 60.0) -> None:
     `timeout` seconds (None: no limit)."""
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0):
         raise ValueError(f"timeout must be a number of seconds (0 or more) or None, not {timeout!r}")
-    agent = _agent_connection.current()
+    agent = agent_connection.current()
     left = agent.wait_closed(timeout) if agent is not None else 0
     show_warnings()
     if left:
@@ -265,18 +255,18 @@ def flush_tracking(timeout: float | None = 60.0) -> None:
 
 def show_warnings() -> None:
     """The warnings of earlier calls' runs, each at the user's line that made the call."""
-    pending = _agent_connection.take_warnings()
+    pending = agent_connection.take_warnings()
     for index, (message, where) in enumerate(pending):
         try:
             warnings.warn_explicit(message, TrackingWarning, *where)
         except Warning:  # the user's filters made it an error
-            _agent_connection.give_back_warnings(pending[index + 1 :])
+            agent_connection.give_back_warnings(pending[index + 1 :])
             raise
 
 
 def _at_exit() -> None:
     """A script's runs are closed when it ends: its exit waits for the agent, within a bound."""
-    agent = _agent_connection.current()
+    agent = agent_connection.current()
     if agent is None:
         return
     left = agent.wait_closed(FINISH_DEADLINE_S)
@@ -287,7 +277,7 @@ def _at_exit() -> None:
         show_warnings()
     except Warning as raised:  # filters that make warnings errors: nobody is left to catch it
         print(f"{type(raised).__name__}: {raised}", file=sys.stderr, flush=True)
-    _agent_connection.shutdown(0 if left else AGENT_EXIT_WAIT_S)
+    agent_connection.shutdown(0 if left else AGENT_EXIT_WAIT_S)
 
 
 atexit.register(_at_exit)
@@ -306,7 +296,7 @@ def _in_fanrun_store(mlflow, active) -> bool:
     own default store in use (mlflow.set_experiment sets MLFLOW_EXPERIMENT_ID)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
-        return _tracking_store.is_default_store(uri)
+        return tracking_store.is_default_store(uri)
     if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         return False
     if os.environ.get("MLFLOW_RUN_ID") or os.environ.get("MLFLOW_EXPERIMENT_ID") or active is not None:
@@ -316,7 +306,7 @@ def _in_fanrun_store(mlflow, active) -> bool:
 
 
 def _parameters(function_name: str, plan: Plan, options: Any) -> dict[str, str]:
-    from . import __version__
+    from .. import __version__
 
     return {
         "fanrun.function": function_name,

@@ -62,7 +62,7 @@ class GpuReader:
     def open(cls, nvml_indices: Sequence[int]) -> GpuReader | None:
         if not nvml_indices:
             return None
-        from . import _core
+        from .. import _core
 
         sampler, _why = _core.GpuSampler.open(os.environ.get("FANRUN_NVML_LIBRARY", "libnvidia-ml.so.1"))
         return cls(sampler, nvml_indices) if sampler is not None else None

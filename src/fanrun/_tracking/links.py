@@ -9,7 +9,7 @@ import sys
 import urllib.parse
 from typing import Any
 
-from . import _tracking_store
+from . import store as tracking_store
 
 
 @dataclasses.dataclass
@@ -42,9 +42,9 @@ def link_text(run: TrackedRun) -> str:
     where = run_url(run)
     if where is None:
         uri = masked(run.tracking_uri)
-        if _tracking_store.is_default_store(run.tracking_uri):
+        if tracking_store.is_default_store(run.tracking_uri):
             where = "run `fanrun ui` to open it"
-        elif _tracking_store.is_local(run.tracking_uri):
+        elif tracking_store.is_local(run.tracking_uri):
             where = f"run `fanrun ui --backend-store-uri {uri}` to open it"
         else:
             where = f"tracking URI {uri}"

@@ -1,5 +1,5 @@
 """MetricRelay: the tracking side's end of the ranks' MLflow sockets, served from one thread of the
-agent (_tracking_agent.py). It tells each rank that connects which run the call logs to, and
+agent (agent.py). It tells each rank that connects which run the call logs to, and
 receives the values every rank logs on that run and writes them to the tracking store in
 batches, so that the ranks' loops never wait on the store.
 
@@ -7,7 +7,7 @@ The socket exists before any rank starts (the caller makes it, RelaySocket); the
 yet. A rank connects when its function imports mlflow, and its first message is the answer,
 sent as soon as publish() gives it: the run's identity, or "not tracked".
 
-A rank then sends one message per logging call (_rank_tracking.py): a pickled list of
+A rank then sends one message per logging call (_rank/tracking.py): a pickled list of
 (key, value, timestamp, step, model_id, dataset_name, dataset_digest). Messages are read as
 they come, so that no rank waits on a full socket, and written at most once per
 WRITE_INTERVAL_S: MLflow's stores pay per request as much as per value (a local sqlite store

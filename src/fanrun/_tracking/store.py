@@ -18,8 +18,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from ._errors import UnsafePathError
-from ._private_dir import open_private, open_private_dir
+from .._errors import UnsafePathError
+from .._private_dir import open_private, open_private_dir
 
 # How long a call waits for a recorded `fanrun ui` server to answer before it names the command instead.
 UI_PROBE_TIMEOUT_S = 0.5

@@ -1,6 +1,6 @@
-"""One call's MLflow run, inside the tracking agent (_tracking_agent.py): made (or resumed) while
+"""One call's MLflow run, inside the tracking agent (agent.py): made (or resumed) while
 the call's ranks start, told to the ranks through the call's metric socket, fed with what they
-log (_metric_relay.py) and the machine's system metrics, and closed with the outcome the caller
+log (metric_relay.py) and the machine's system metrics, and closed with the outcome the caller
 sends, in a thread of its own so that the agent serves other calls meanwhile."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import _tracking_store
-from ._agent_channel import FINISH_DEADLINE_S, START_DEADLINE_S, describe
-from ._metric_relay import MetricRelay
-from ._launch.paths import rank_log
-from ._run_links import TrackedRun, masked
-from ._system_metrics import SystemMetricsSampler, sampling_interval
+from . import store as tracking_store
+from .agent_channel import FINISH_DEADLINE_S, START_DEADLINE_S, describe
+from .metric_relay import MetricRelay
+from .._launch.paths import rank_log
+from .links import TrackedRun, masked
+from .system_metrics import SystemMetricsSampler, sampling_interval
 
 # A tracking server that does not answer /health in this time is taken as unreachable.
 PROBE_TIMEOUT_S = 3.0
@@ -105,7 +105,7 @@ class CallRun:
         call = self.call
         store = None
         if call["store_dir"] is not None:
-            store = _tracking_store.LocalStore(Path(call["store_dir"]))
+            store = tracking_store.LocalStore(Path(call["store_dir"]))
             store.create()
         uri = mlflow.get_tracking_uri()
         try:
@@ -115,8 +115,8 @@ class CallRun:
         _probe(uri)
         run = _open_run(uri, call, store)
         run.registry_uri = registry_uri
-        if _tracking_store.is_local(uri):
-            run.ui_url = _tracking_store.ui_address(uri)
+        if tracking_store.is_local(uri):
+            run.ui_url = tracking_store.ui_address(uri)
         return run
 
     def write_metrics(self, records: list[tuple]) -> None:
@@ -174,7 +174,7 @@ def _rank_variables(run: TrackedRun) -> dict[str, str]:
     return env
 
 
-def _open_run(uri: str, call: dict, store: _tracking_store.LocalStore | None) -> TrackedRun:
+def _open_run(uri: str, call: dict, store: tracking_store.LocalStore | None) -> TrackedRun:
     from mlflow import MlflowClient
     from mlflow.entities import Param
     from mlflow.exceptions import MlflowException
@@ -226,7 +226,7 @@ def _open_run(uri: str, call: dict, store: _tracking_store.LocalStore | None) ->
     )
 
 
-def _experiment_id(client, experiment_name: str | None, parent_id: str | None, store: _tracking_store.LocalStore | None) -> str:
+def _experiment_id(client, experiment_name: str | None, parent_id: str | None, store: tracking_store.LocalStore | None) -> str:
     if experiment_name is None and parent_id is None and store is not None:
         # In fanrun's store, an experiment named by MLFLOW_EXPERIMENT_NAME is made here too, so
         # that its artifacts go beside the store, not into the working directory.

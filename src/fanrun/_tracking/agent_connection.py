@@ -1,4 +1,4 @@
-"""The caller's tracking agent (_tracking_agent.py): one per process, started at the first tracked
+"""The caller's tracking agent (agent.py): one per process, started at the first tracked
 call and kept for the life of the process, serving every call of every thread.
 
 Importing mlflow and opening a store cost seconds of CPU; paid once per process, a later call
@@ -23,8 +23,8 @@ import tempfile
 import threading
 from typing import Protocol
 
-from ._agent_channel import describe, receive, send
-from ._run_links import TrackedRun
+from .agent_channel import describe, receive, send
+from .links import TrackedRun
 
 # Lines of the agent's own output shown when it fails, from at most its last bytes.
 LOG_TAIL_LINES = 15
@@ -218,7 +218,7 @@ class AgentConnection:
 def _agent_code() -> str:
     """The agent's -c program: with the caller's sys.path, as a rank has it, so that it imports the
     same fanrun and mlflow as the caller."""
-    return f"import sys; sys.path[:] = {sys.path!r}; from fanrun._tracking_agent import main; main()"
+    return f"import sys; sys.path[:] = {sys.path!r}; from fanrun._tracking.agent import main; main()"
 
 
 # ---------------------------------------------------------------- the process's one agent

@@ -1,18 +1,18 @@
 """Inside a rank: the call's MLflow run becomes the active run as soon as the function imports
 mlflow, so `mlflow.active_run()` is that run and `mlflow.log_metric` lands on it.
 
-The run is made while the ranks start (by the caller's agent, _tracking_agent.py), so a rank
+The run is made while the ranks start (by the caller's agent, _tracking/agent.py), so a rank
 learns it only when it needs it: the first `import mlflow` connects to the socket FANRUN_MLFLOW
 names and waits for the answer, the run's identity or "not tracked"; then MLflow's variables
 are set and the import goes on. A function that never imports mlflow never asks, and never waits.
 
-The metrics a rank logs on that run go over the same socket (_rank_metric_sender.py), and the
-agent writes them to the tracking store (_metric_relay.py): the rank pays for an append, not for
+The metrics a rank logs on that run go over the same socket (metric_sender.py), and the
+agent writes them to the tracking store (_tracking/metric_relay.py): the rank pays for an append, not for
 a store's write, which costs a local sqlite store about 0.2 ms of CPU per value and would hold
 the rank's GIL while the loop runs.
 
 When the call is not tracked (FANRUN_MLFLOW=off, or the answer says so), what the function logs
-through MLflow goes nowhere (_rank_tracking_off.py).
+through MLflow goes nowhere (tracking_off.py).
 
 Run as a file by the worker, like the worker itself: standard library only, and mlflow is
 never imported here, so a function that does not use mlflow does not pay for importing it.
@@ -23,11 +23,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import runpy
 import socket
 import sys
 
+_contract = runpy.run_path(os.path.join(os.path.dirname(__file__), "contract.py"))
 # Set in every rank of a call: OFF, or the path of the socket that tells the call's run.
-VARIABLE = "FANRUN_MLFLOW"
+VARIABLE = _contract["ENV_TRACKING"]
 OFF = "off"
 # Left in the run directory by a rank whose function logged to MLflow while the call was not tracked.
 DROPPED_MARKER = "mlflow-dropped"
@@ -79,7 +81,7 @@ class _AroundImport:
 
 def _before_import(how: str) -> tuple:
     """("run", run_id, socket) for the call's run, with MLflow's variables set for it; ("off",
-    namespace of _rank_tracking_off.py) when the call is not tracked, with the tracking URI
+    namespace of tracking_off.py) when the call is not tracked, with the tracking URI
     pointed nowhere. Runs before mlflow reads its variables."""
     if how != OFF:
         try:
@@ -99,7 +101,7 @@ def _before_import(how: str) -> tuple:
             channel.close()
     import runpy
 
-    off = runpy.run_path(os.path.join(os.path.dirname(__file__), "_rank_tracking_off.py"))
+    off = runpy.run_path(os.path.join(os.path.dirname(__file__), "tracking_off.py"))
     os.environ["MLFLOW_TRACKING_URI"] = off["URI"]
     return "off", off
 
@@ -110,7 +112,7 @@ def _after_import(mlflow, state: tuple) -> None:
         return
     off = state[1]
     try:
-        off["install"](off["marker"](os.environ.get("FANRUN_RUN_DIR", "."), DROPPED_MARKER))
+        off["install"](off["marker"](os.environ.get(_contract["ENV_RUN_DIR"], "."), DROPPED_MARKER))
     except Exception as error:
         _say(f"could not turn MLflow's logging off ({type(error).__name__}: {error})")
 
@@ -152,7 +154,7 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) ->
 
     from mlflow.utils.validation import _validate_metric
 
-    sender_class = runpy.run_path(os.path.join(os.path.dirname(__file__), "_rank_metric_sender.py"))["MetricSender"]
+    sender_class = runpy.run_path(os.path.join(os.path.dirname(__file__), "metric_sender.py"))["MetricSender"]
     buffer_s = float(os.environ.get("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS") or DEFAULT_BUFFER_S)
     sender = sender_class(channel, buffer_s)
     _before_thread_shutdown(sender.close)
