@@ -28,9 +28,9 @@ CALLER = textwrap.dedent(
     import json, sys, time
     from fanrun import distributed
 
-    tracking, seconds, calls = sys.argv[1] == "on", float(sys.argv[2]), int(sys.argv[3])
+    tracking, seconds, calls, ranks = sys.argv[1] == "on", float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 
-    @distributed(num_accelerators=2, tracking=tracking)
+    @distributed(num_accelerators=ranks, tracking=tracking)
     def work(seconds):
         import time
         time.sleep(seconds)  # what a GPU rank mostly does: wait on its device, not on the CPU
@@ -39,17 +39,17 @@ CALLER = textwrap.dedent(
     times = []
     for _ in range(calls):
         started = time.perf_counter()
-        assert work.distributed(seconds) == [1, 1]
+        assert work.distributed(seconds) == [1] * ranks
         times.append(time.perf_counter() - started)
     print("times", json.dumps(times), flush=True)
     """
 )
 
 
-def run_script(mode: str, seconds: float, calls: int, env: dict, workdir: Path) -> tuple[list[float], float]:
+def run_script(mode: str, seconds: float, calls: int, ranks: int, env: dict, workdir: Path) -> tuple[list[float], float]:
     """Each call's seconds, and the whole script's (interpreter start to exit)."""
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CALLER, mode, str(seconds), str(calls)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", CALLER, mode, str(seconds), str(calls), str(ranks)], capture_output=True,
                           text=True, env=env, cwd=workdir, timeout=SCRIPT_TIMEOUT_S)
     whole = time.perf_counter() - started
     if done.returncode != 0:
@@ -58,13 +58,13 @@ def run_script(mode: str, seconds: float, calls: int, env: dict, workdir: Path) 
     return json.loads(line.split(" ", 1)[1]), whole
 
 
-def measure(seconds: float, calls: int, repeat: int, env: dict, workdir: Path) -> dict[str, dict[str, list[float]]]:
+def measure(seconds: float, calls: int, ranks: int, repeat: int, env: dict, workdir: Path) -> dict[str, dict[str, list[float]]]:
     """mode -> {"first": [...], "later": [...], "script": [...]}: on and off take turns, so that
     drift in the machine's load lands on both."""
     samples = {mode: {"first": [], "later": [], "script": []} for mode in ("on", "off")}
     for index in range(repeat):
         for mode in samples:
-            times, whole = run_script(mode, seconds, calls, env, workdir)
+            times, whole = run_script(mode, seconds, calls, ranks, env, workdir)
             samples[mode]["first"].append(times[0])
             samples[mode]["later"] += times[1:]
             samples[mode]["script"].append(whole)
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--sleeps", type=float, nargs="+", default=[0.0, 5.0], help="seconds each rank sleeps")
     parser.add_argument("--calls", type=int, default=5, help="calls per script")
     parser.add_argument("--repeat", type=int, default=5, help="scripts per mode and sleep")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks per call: GPUs where there are as many, else CPU processes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: that every path still runs (its figures mean nothing)")
     args = parser.parse_args()
     if args.smoke:
@@ -113,10 +114,10 @@ def main() -> None:
         env["XDG_DATA_HOME"] = str(Path(scratch) / "data")
         workdir = Path(scratch) / "work"
         workdir.mkdir()
-        run_script("on", 0.0, 1, env, workdir)  # the store's creation, once: not what each call costs
-        results = {seconds: measure(seconds, args.calls, args.repeat, env, workdir) for seconds in args.sleeps}
+        run_script("on", 0.0, 1, args.ranks, env, workdir)  # the store's creation, once: not what each call costs
+        results = {seconds: measure(seconds, args.calls, args.ranks, args.repeat, env, workdir) for seconds in args.sleeps}
     later = f" (calls 2-{args.calls}: median of every such call)" if args.calls > 1 else ""
-    print(f"\nSeconds, median of {args.repeat} scripts per mode{later}, tracking on and off alternating; "
+    print(f"\n{args.ranks} ranks a call. Seconds, median of {args.repeat} scripts per mode{later}, tracking on and off alternating; "
           f"goal: on within {GOAL_SHARE:.0%} or {GOAL_S} s of off")
     print("| ranks sleep s | call | on | off | on - off | goal |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -414,19 +414,20 @@ works.distributed(float(sys.argv[2]))
 print("call", time.perf_counter() - started, flush=True)
 """
 # Generous for a machine shared with other work; the goal is 5 % or 0.2 s.
-COST_BOUND_S = 1.2
+COST_BOUND_S = 0.6
 
 
 @pytest.mark.slow
 def test_a_tracked_call_costs_what_an_untracked_one_does(tmp_path):
-    """Importing MLflow and making the run happen while the ranks start and run, not before them:
-    a call's wall time, from a fresh script (MLflow not yet imported) to the ranks' results, is
-    within COST_BOUND_S of the same call untracked. Interleaved, medians of 3."""
+    """Importing MLflow and making the run happen beside the ranks, and never waiting for it: a
+    process's first call, whose ranks return at once, from a fresh script (MLflow not yet
+    imported) to the ranks' results, is within COST_BOUND_S of the same call untracked.
+    Interleaved, medians of 3."""
 
     def call_seconds(mode: str) -> float:
-        done = run_caller(CALLER_TIMED, tmp_path, mode, "5")
+        done = run_caller(CALLER_TIMED, tmp_path, mode, "0")
         assert done.returncode == 0, done.stderr
-        return float(done.stdout.split("call ")[1])
+        return float(done.stdout.split("call ")[1].split()[0])
 
     call_seconds("on")  # the store's creation, once: not what each call costs
     times = {"on": [], "off": []}
