@@ -50,7 +50,8 @@ CALL_TIMEOUT_S = 60.0
 # How long processes may outlive their call (a launcher's own SIGTERM grace) before they
 # count as left over.
 LEFTOVER_WAIT_S = 10.0
-# Every launcher can run 2 ranks (notebook_launcher runs 1 in the caller), so warm-up uses 2.
+# Every launcher can run 2 ranks (notebook_launcher runs 1 in the caller), so warm-up uses 2
+# (1 where no more is measured: a machine with one GPU).
 WARMUP_RANKS = 2
 MARKER_VAR = "FANRUN_BENCH_MARKER"
 INJECTED = "failure injected by the benchmark"
@@ -400,12 +401,12 @@ class Session:
 # ---------------------------------------------------------------- the schedule
 
 
-def warm_up(session: Session) -> None:
+def warm_up(session: Session, ranks: int) -> None:
     """One untimed call per launcher, so that the first timed one finds the page cache and
     the .pyc files warm, and the caller's own imports done."""
     for name, launch in session.launchers.items():
-        label = f"warm-up {name} N={WARMUP_RANKS}"
-        outcome = session.attempt(label, functools.partial(measure_launch, launch, WARMUP_RANKS))
+        label = f"warm-up {name} N={ranks}"
+        outcome = session.attempt(label, functools.partial(measure_launch, launch, ranks))
         progress(f"{label}: {'failed' if isinstance(outcome, Exception) else 'done'}")
 
 
@@ -492,10 +493,13 @@ def cpu_model() -> str:
 
 
 def package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+    """The installed version; mlflow may be installed as mlflow-skinny."""
+    for distribution in (name, f"{name}-skinny") if name == "mlflow" else (name,):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def gpu_names() -> str:
@@ -626,7 +630,7 @@ def main() -> None:
     started, machine_start, own_start = time.monotonic(), machine_busy_s(), own_busy_s()
     with tempfile.TemporaryDirectory(prefix="fanrun-launch-bench-") as workdir:
         session = Session(Path(workdir), Path(log_name), args.peers)
-        warm_up(session)
+        warm_up(session, min(WARMUP_RANKS, max(args.ranks)))
         launch = measure_all(session, "launch", measure_launch, args.ranks, args.repeat)
         failure = measure_all(session, "failure", measure_failure, args.failure_ranks, args.repeat)
     print()

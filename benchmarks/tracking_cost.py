@@ -89,10 +89,13 @@ def rows(seconds: float, calls: int, samples: dict) -> list[str]:
 
 
 def package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+    """The installed version; mlflow may be installed as mlflow-skinny."""
+    for distribution in (name, f"{name}-skinny") if name == "mlflow" else (name,):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def main() -> None:

@@ -320,7 +320,7 @@ def test_without_configuration_runs_go_to_fanruns_private_store(tmp_path, where)
     # rules stand: the call's run goes there too, nested under it.
     inside = run_caller(CALLER_INSIDE_ITS_OWN_RUN, tmp_path, env=env)
     assert inside.returncode == 0, inside.stderr
-    parent_id, child_id = inside.stdout.split("ids ")[1].split()
+    parent_id, child_id = inside.stdout.split("ids ")[1].split()[:2]
     own_default = MlflowClient(f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}")
     assert own_default.get_run(child_id).data.tags["mlflow.parentRunId"] == parent_id
     assert len(client.search_runs(["0"])) == 1
@@ -1249,15 +1249,15 @@ def quick():
     return 1
 
 quick.distributed()
-run = mlflow.MlflowClient({server!r}).search_runs([{experiment_id!r}])[0]
-print("at return", run.info.status, flush=True)
+runs = mlflow.MlflowClient({server!r}).search_runs([{experiment_id!r}])
+print("at return", runs[0].info.status if runs else "not made yet", flush=True)
 """
 
 
 def test_a_script_that_ends_right_after_a_call_leaves_its_run_closed(server, tmp_path):
-    """The call returns before its run is closed (the store takes 3 s to close it), and the
-    script's exit waits for the close: once the script has ended, the run is FINISHED and its
-    agent is gone."""
+    """The call returns before its run is closed (the store takes 3 s to close it; the run may
+    not even exist yet), and the script's exit waits for the close: once the script has ended,
+    the run is FINISHED and its agent is gone."""
     client = MlflowClient(server.url)
     experiment_id = client.create_experiment(f"fanrun-test-{uuid.uuid4().hex[:8]}")
     proxy = SlowProxy(server.url, {RUN_UPDATE: 3.0})
@@ -1269,7 +1269,7 @@ def test_a_script_that_ends_right_after_a_call_leaves_its_run_closed(server, tmp
     finally:
         proxy.stop()
     assert caller.returncode == 0, err
-    assert "at return RUNNING" in out
+    assert "at return RUNNING" in out or "at return not made yet" in out, out
     (run,) = client.search_runs([experiment_id])
     assert run.info.status == "FINISHED"
     assert processes_with_environment(f"MLFLOW_TRACKING_URI={proxy.url}".encode()) == []
@@ -1307,7 +1307,7 @@ def test_a_later_tracked_call_costs_what_an_untracked_one_does(tmp_path):
     ranks return at once costs, tracked, about what it costs untracked (medians of 5, interleaved)."""
     done = run_caller(CALLER_TIMES_CALLS, tmp_path)
     assert done.returncode == 0, done.stderr
-    times = json.loads(done.stdout.split("times ")[1])
+    times = json.loads(done.stdout.split("times ")[1].splitlines()[0])
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     assert on <= off * 1.05 + LATER_CALL_BOUND_S, times
 

@@ -62,9 +62,7 @@ class GpuReader:
     def open(cls, nvml_indices: Sequence[int]) -> GpuReader | None:
         if not nvml_indices:
             return None
-        from .. import _core
-
-        sampler, _why = _core.GpuSampler.open(os.environ.get("FANRUN_NVML_LIBRARY", "libnvidia-ml.so.1"))
+        sampler = _nvml_sampler(os.environ.get("FANRUN_NVML_LIBRARY", "libnvidia-ml.so.1"))
         return cls(sampler, nvml_indices) if sampler is not None else None
 
     def read(self) -> dict[str, float]:
@@ -79,6 +77,22 @@ class GpuReader:
                         100.0 * sample["memory_used"] / sample["memory_total"], 1
                     )
         return metrics
+
+
+_nvml_samplers: dict = {}
+_nvml_lock = threading.Lock()
+
+
+def _nvml_sampler(library: str):
+    """NVML, initialised once per process and shared by every run's sampler: initialising it
+    takes the driver's locks for a while, and a call's ranks are creating their CUDA contexts
+    at that very moment."""
+    with _nvml_lock:
+        if library not in _nvml_samplers:
+            from .. import _core
+
+            _nvml_samplers[library] = _core.GpuSampler.open(library)[0]
+        return _nvml_samplers[library]
 
 
 class SystemMetricsSampler:
