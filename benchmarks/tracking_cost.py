@@ -14,8 +14,9 @@ import sys
 import tempfile
 import textwrap
 import time
-from importlib import metadata
 from pathlib import Path
+
+from launch import package_version  # benchmarks/launch.py, beside this file
 
 # What tracking may add to a call: 5 % or this much, whichever is larger.
 GOAL_S = 0.2
@@ -86,16 +87,6 @@ def rows(seconds: float, calls: int, samples: dict) -> list[str]:
         goal = verdict if what != "script" else f"({verdict})"
         lines.append(f"| {seconds:g} | {label} | {median_on:.3f} | {median_off:.3f} | {added:+.3f} | {goal} |")
     return lines
-
-
-def package_version(name: str) -> str:
-    """The installed version; mlflow may be installed as mlflow-skinny."""
-    for distribution in (name, f"{name}-skinny") if name == "mlflow" else (name,):
-        try:
-            return metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            continue
-    return "not installed"
 
 
 def main() -> None:
