@@ -155,6 +155,9 @@ class PyLocalPrefetcher {
 }  // namespace
 
 void BindCache(nb::module_& m) {
+  m.def("engine_fetches", &HttpFetcher::Handles, nb::arg("source"),
+        "Whether a FileCache made with native_http fetches this source with the engine's own HTTP client\n"
+        "(http:// and https://) rather than through its fetch callable: the one place that decides it.");
   auto prefetcher_class =
       nb::class_<PyLocalPrefetcher>(m, "LocalPrefetcher",
                                     "Native threads that bring local files not yet in the page cache into it: files of\n"

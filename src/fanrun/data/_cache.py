@@ -9,6 +9,7 @@ import math
 import os
 import re
 
+from .. import _core
 from .._errors import CacheLimitError
 from .._private_dir import open_private_dir
 
@@ -82,8 +83,10 @@ def native_http_allowed(storage_options: dict) -> bool:
     return not storage_options
 
 
-def is_http_url(source: str) -> bool:
-    return source.lower().startswith(("http://", "https://"))
+def engine_fetches(source: str, storage_options: dict) -> bool:
+    """Whether the engine's own HTTP client fetches `source` (which sources it takes, the engine
+    decides: _core.engine_fetches); fsspec fetches every other remote source."""
+    return native_http_allowed(storage_options) and _core.engine_fetches(source)
 
 
 def engine_http_options(fetch_timeout: float | None, min_fetch_rate: tuple[int, float] | None) -> dict:

@@ -17,7 +17,7 @@ import torch.utils.data
 from .. import _core
 from .._errors import DataFileError, FanrunError
 from . import _split
-from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, engine_http_options, is_http_url,
+from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, engine_fetches, engine_http_options,
                      native_http_allowed, open_cache_dir, parse_byte_size)
 from ._dataset_source import SourceFile, shared_listing
 from ._first_batches import FirstBatchTurns, Turn
@@ -119,7 +119,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self._native_http = native_http_allowed(self.storage_options)
         remote = next((f.source for f in self._files if not f.local), None)
         # The engine fetches http(s):// itself: only other sources need fsspec in the workers.
-        if remote is not None and not (self._native_http and is_http_url(remote)):
+        if remote is not None and not engine_fetches(remote, self.storage_options):
             _import_filesystem(remote)
         self.skipped_files: list[str] = []
         self._epoch = 0
