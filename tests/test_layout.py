@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
 
 
 def modules_after(code: str) -> set[str]:
@@ -77,3 +81,46 @@ def test_every_exception_is_public_and_made_to_happen_by_a_test():
             # invariant of the engine that did not hold, which only a fault of fanrun's raises.
             continue
         assert name in tests, f"no test makes {name} happen"
+
+
+# docs/layout.md's table "What may import what": for each folder, the modules it never imports,
+# anywhere in a file; a rank's files also import no third-party package at their top.
+SRC = Path(__file__).resolve().parents[1] / "src" / "fanrun"
+NEVER = {
+    "_rank": ("fanrun",),
+    "data": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._decorator"),
+    "backends": ("fanrun._launch.run", "fanrun._tracking", "fanrun._decorator"),
+    "_launch": ("fanrun._tracking", "fanrun._decorator"),
+    "_tracking": ("fanrun._launch.run", "fanrun.backends", "fanrun._decorator"),
+}
+# data/ imports mlflow only inside a tracked call, to log the loader's figures on its run.
+NEVER_AT_THE_TOP = {"_rank": ("torch", "mlflow", "cloudpickle", "numpy"), "data": ("mlflow",)}
+
+
+def imported_modules(path: Path, top_only: bool = False) -> set[str]:
+    """The modules a file imports (those of its top level alone with top_only), relative
+    imports resolved to fanrun's own names."""
+    package = ".".join(("fanrun", *path.relative_to(SRC).parent.parts)).split(".")
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body if top_only else ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("folder", sorted(NEVER))
+def test_each_folder_imports_only_what_the_layout_allows(folder):
+    broken = {}
+    for path in sorted((SRC / folder).rglob("*.py")):
+        found = {name for name in imported_modules(path) if name.startswith(NEVER[folder])}
+        found |= {name for name in imported_modules(path, top_only=True) if name.startswith(NEVER_AT_THE_TOP.get(folder, ()))}
+        if found:
+            broken[str(path.relative_to(SRC))] = sorted(found)
+    assert broken == {}
