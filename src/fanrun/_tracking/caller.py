@@ -190,7 +190,7 @@ class _CallRun:
 
     def answered(self, kind: str, body: dict) -> None:
         """The agent's answer, in the connection's reader thread: the run's line (or link) appears
-        as soon as the run exists, while the ranks run."""
+        as soon as the run exists, during the call or just after it."""
         with self._lock:
             if kind == "opened":
                 self.run = TrackedRun(client=None, first_system_step=0, **{k: v for k, v in body.items() if k != "id"})
