@@ -47,9 +47,11 @@ test-cpp: setup
 	cd $(CPP_TEST_BUILD) && PATH="$(BIN):$$PATH" ctest --output-on-failure -j2
 
 # nginx serves the remote source of the data tests; Debian's package, like GoogleTest's.
+# The Ray tests run in a network namespace of their own, with loopback alone (tests/ray/netns.py).
 test-python: setup
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || (apt-get update -qq && apt-get install -y -qq nginx-light)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --ignore=tests/ray
+	$(PY) tests/ray/netns.py $(PY) -m pytest tests/ray
 
 # In an isolated build environment with pyproject.toml's build requirements, as
 # `pip install <path>` or `pip wheel <path>` builds fanrun anywhere else. WHEEL_DIR moves it.

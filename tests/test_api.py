@@ -167,3 +167,43 @@ def test_remote_false_is_accepted_and_remote_true_explained():
         distributed(remote=True)
     with pytest.raises(TypeError, match="remote must be True or False"):
         distributed(remote="yes")
+
+
+# ---------------------------------------------------------------- nodes, backend (tests/ray/ runs them on a cluster)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "says"),
+    [
+        ({"nodes": 0}, ValueError, "nodes must be at least 1"),
+        ({"nodes": 1.5}, TypeError, "nodes must be an int"),
+        ({"nodes": True}, TypeError, "nodes must be an int"),
+        ({"nodes": 2, "num_accelerators": 3}, ValueError, "ask for a multiple of 2"),
+        ({"backend": "slurm"}, ValueError, "backend must be None, 'local' or 'ray'"),
+        ({"backend": "local", "nodes": 2}, ValueError, "backend='local' runs on this machine only"),
+        ({"nodes": 2, "placement_timeout": 0}, ValueError, "placement_timeout must be a positive number"),
+    ],
+)
+def test_bad_cluster_arguments_are_errors_at_decoration(options, error, says):
+    with pytest.raises(error, match=says):
+        distributed(**options)
+
+
+def test_nodes_without_a_ray_connection_says_to_connect_before_anything_starts(runs_dir):
+    before = set(runs_dir.iterdir())
+    with pytest.raises(ValueError, match=r"call fanrun.ray_init\(\) first"):
+        distributed(num_accelerators=4, nodes=2)(lambda: 1).distributed()
+    assert set(runs_dir.iterdir()) == before
+
+
+def test_one_node_without_ray_runs_here():
+    assert distributed(num_accelerators=2, nodes=1, accelerator_type="CPU", tracking=False)(lambda: 5).distributed() == [5, 5]
+
+
+def test_import_fanrun_and_its_decorator_load_no_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, fanrun; fanrun.distributed; fanrun.ray_init; import fanrun.backends.ray; print('ray' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr

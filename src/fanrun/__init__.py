@@ -7,12 +7,15 @@ from ._accelerators import DEFAULT_CPU_RANKS as DEFAULT_CPU_RANKS
 from ._accelerators import AcceleratorType as AcceleratorType
 from ._accelerators import GPUType as GPUType
 from ._errors import AcceleratorMismatchError as AcceleratorMismatchError
+from ._errors import ClusterResourcesError as ClusterResourcesError
 from ._errors import DescriptorLimitError as DescriptorLimitError
 from ._errors import EngineError as EngineError
 from ._errors import EngineInvalidArgument as EngineInvalidArgument
 from ._errors import EngineOSError as EngineOSError
 from ._errors import ExecutableNotFoundError as ExecutableNotFoundError
 from ._errors import FanrunError as FanrunError
+from ._errors import NodeEnvironmentError as NodeEnvironmentError
+from ._errors import NodeLostError as NodeLostError
 from ._errors import PayloadSerializationError as PayloadSerializationError
 from ._errors import RankFailedError as RankFailedError
 from ._errors import RemoteTraceback as RemoteTraceback
@@ -32,6 +35,9 @@ _CALL_MACHINERY = {
     "DistributedFunction": "_decorator",
     "TorchDistributor": "_torch_distributor",
     "flush_tracking": "_tracking.caller",
+    # Ray is imported by these alone, when they are called.
+    "ray_init": "backends.ray.connect",
+    "ray_shutdown": "backends.ray.connect",
 }
 
 if TYPE_CHECKING:
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
     from ._decorator import distributed as distributed
     from ._torch_distributor import TorchDistributor as TorchDistributor
     from ._tracking.caller import flush_tracking as flush_tracking
+    from .backends.ray.connect import ray_init as ray_init
+    from .backends.ray.connect import ray_shutdown as ray_shutdown
 
 
 def __getattr__(name: str):

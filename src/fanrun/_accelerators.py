@@ -165,6 +165,10 @@ class Plan:
     # Machines the ranks are spread over, world_size / nodes on each: one, this machine, unless a
     # cluster backend places them.
     nodes: int = 1
+    # Where the ranks run: "local" (this machine) or "ray"; and for a cluster, how long the caller
+    # waits for the cluster to fit the run before it says what is missing.
+    backend: str = "local"
+    placement_timeout_s: float = 60.0
 
 
 def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, inventory: Inventory) -> Plan:

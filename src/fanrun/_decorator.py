@@ -31,6 +31,11 @@ class Options:
     # Neither a run nor MLflow variables: the ranks' MLflow is the caller's, as configured (what
     # Spark's TorchDistributor does, which fanrun.TorchDistributor follows).
     leave_mlflow_alone: bool = False
+    # Machines (None: this one), where the ranks run (None: Ray when connected and nodes is
+    # given, else this machine), and how long a cluster may take to fit the call.
+    nodes: int | None = None
+    backend: str | None = None
+    placement_timeout: float = 60.0
 
 
 class DistributedFunction(Generic[R]):
@@ -57,14 +62,22 @@ class DistributedFunction(Generic[R]):
 
     def _run(self, args: tuple, kwargs: dict) -> list[R]:
         options = self._options
-        inventory = _accelerators.detect()
-        plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory)
+        if _backend_for(options) == "ray":
+            from .backends import ray as ray_backend
+
+            plan = ray_backend.plan(options.num_accelerators, options.accelerator, options.nodes or 1,
+                                    options.placement_timeout)
+            inventory = None
+        else:
+            inventory = _accelerators.detect()
+            plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory)
         # Before the MLflow run starts: a call that cannot start leaves no trace.
         preflight.preflight(plan)
         payload = _payload.serialize_call(self._fn, args, kwargs)
         name = getattr(self._fn, "__name__", "function")
         # The GPUs the ranks get, in rank order: the ones the run's system metrics describe.
-        gpu_indices = [gpu.nvml_index for gpu in inventory.visible[: plan.world_size]] if plan.use_gpus else []
+        # (A cluster's GPUs are the nodes' own: this machine samples none of them.)
+        gpu_indices = [gpu.nvml_index for gpu in inventory.visible[: plan.world_size]] if inventory and plan.use_gpus else []
         # The MLflow run starts once the call is known to be sendable, and ends with its outcome.
         with call_tracking.track(function_name=name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
             # One run directory, for the launcher and for tracking, which uploads its logs.
@@ -95,6 +108,9 @@ def distributed(
     gpus: Any = _UNSET,
     gpu_type: Any = _UNSET,
     remote: bool = False,
+    nodes: int | None = None,
+    backend: str | None = None,
+    placement_timeout: float = 60.0,
 ):
     """Decorates a function so that `fn.distributed(*args, **kwargs)` runs it on every
     accelerator of this machine (CPU processes where there is none).
@@ -106,6 +122,11 @@ def distributed(
     Each call is an MLflow run that every rank logs to (a child of the run active in the
     caller, if any): ``experiment_name`` chooses its experiment, ``run_id`` resumes that run
     instead of starting one, ``tracking=False`` turns all of it off.
+
+    ``nodes=M`` spreads the ``num_accelerators`` ranks (a multiple of M) over M machines of the
+    Ray cluster this process is connected to (fanrun.ray_init()), ``num_accelerators / M`` on
+    each. ``backend="ray"`` runs through Ray even on one node, ``backend="local"`` never does.
+    A cluster that cannot fit the call within ``placement_timeout`` seconds is an error.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, numbers.Number):
         return distributed()(num_accelerators)  # bare @distributed
@@ -132,6 +153,7 @@ def distributed(
         accelerator=_accelerators.parse_accelerator_type(accelerator_type),
         timeout=_check_timeout(timeout),
         **_check_tracking(experiment_name, run_id, tracking),
+        **_check_cluster(nodes, backend, placement_timeout, num_accelerators),
     )
 
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:
@@ -185,3 +207,47 @@ def _check_tracking(experiment_name: Any, run_id: Any, tracking: Any) -> dict[st
             "apply; pass one of them, not both"
         )
     return {"experiment_name": experiment_name, "run_id": run_id, "tracking": tracking}
+
+
+BACKENDS = ("local", "ray")
+
+
+def _check_cluster(nodes: Any, backend: Any, placement_timeout: Any, num_accelerators: Any) -> dict[str, Any]:
+    if nodes is not None:
+        if isinstance(nodes, bool) or not isinstance(nodes, numbers.Integral):
+            raise TypeError(f"nodes must be an int (the number of machines) or None, not {type(nodes).__name__}")
+        if nodes < 1:
+            raise ValueError(f"nodes must be at least 1, not {nodes}")
+        if isinstance(num_accelerators, numbers.Integral) and num_accelerators % nodes:
+            raise ValueError(
+                f"num_accelerators={num_accelerators} is the number of ranks in all, and nodes={nodes} machines "
+                f"must run the same number each: ask for a multiple of {nodes}"
+            )
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None, 'local' or 'ray', not {backend!r}")
+    if backend == "local" and nodes not in (None, 1):
+        raise ValueError(
+            f"nodes={nodes} spreads the ranks over {nodes} machines, which takes Ray; backend='local' runs on "
+            f"this machine only: drop one of them"
+        )
+    if isinstance(placement_timeout, bool) or not isinstance(placement_timeout, numbers.Real) or not placement_timeout > 0:
+        raise ValueError(f"placement_timeout must be a positive number of seconds, not {placement_timeout!r}")
+    return {"nodes": None if nodes is None else int(nodes), "backend": backend, "placement_timeout": float(placement_timeout)}
+
+
+def _backend_for(options: Options) -> str:
+    """Where this call runs: Ray when asked, or when connected and nodes is given; else here."""
+    from .backends.ray.connect import is_connected
+
+    if options.backend is not None:
+        return options.backend
+    if options.nodes is None:
+        return "local"
+    if is_connected():
+        return "ray"
+    if options.nodes == 1:
+        return "local"
+    raise ValueError(
+        f"nodes={options.nodes} spreads the ranks over {options.nodes} machines of a Ray cluster, and this "
+        f"process is connected to none: call fanrun.ray_init() first (or pass backend='ray', which does)"
+    )

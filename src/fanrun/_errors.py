@@ -83,6 +83,27 @@ class DescriptorLimitError(OSError, FanrunError):
     """The caller may not open the file descriptors a run of this many ranks needs (RLIMIT_NOFILE)."""
 
 
+class ClusterResourcesError(RuntimeError, FanrunError):
+    """The cluster could not fit the call's ranks (nodes x accelerators) within placement_timeout."""
+
+
+class NodeEnvironmentError(RuntimeError, FanrunError):
+    """A cluster node cannot run the call as the caller would: different Python, torch, cloudpickle
+    or fanrun versions, or no fanrun at all."""
+
+
+class NodeLostError(RuntimeError, FanrunError):
+    """A node of a cluster run was lost mid-call (its agent died, or the node left the cluster);
+    the other nodes' ranks were stopped."""
+
+    def __init__(self, message: str, *, node_rank: int, node_id: str, address: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.node_rank = node_rank
+        self.node_id = node_id
+        self.address = address
+        self.ranks = ranks
+
+
 class RemoteTraceback(Exception):
     """Carries a rank's traceback text; chained as the __cause__ of the re-raised exception."""
 

@@ -21,6 +21,8 @@ from .paths import RunPaths
 def collect(name, ranks, paths, mux, timeout_report: TimeoutReport, timeout, returns_values: bool) -> list[object]:
     """The ranks' results in rank order, or the exception that says how the run ended."""
     world_size = ranks.world_size
+    if ranks.failure is not None:
+        raise ranks.failure  # the backend's own: a node lost
     reason = ranks.stop_reason
     if reason == _core.StopReason.TIMEOUT:
         running = list(ranks.ranks_running_at_timeout)
@@ -59,12 +61,13 @@ def _root_cause(rank: int, ranks, paths: RunPaths, mux: OutputMux) -> BaseExcept
     world_size = ranks.world_size
     pid = ranks.pid(rank)
     log = str(paths.log(rank))
-    who = f"Rank {rank} of {world_size} (pid {pid})"
+    where = ranks.location(rank)  # "pid 123", and the node where there are several
+    who = f"Rank {rank} of {world_size} ({where})"
     tail = list(mux.stderr_tails[rank])
     common = dict(rank=rank, pid=pid, log_path=log, log_tail=tail)
     envelope = _load_envelope(paths.error(rank))
     if envelope is not None:
-        remote = RemoteTraceback(f"\n\nTraceback from rank {rank} (pid {pid}):\n{_format_remote(envelope)}")
+        remote = RemoteTraceback(f"\n\nTraceback from rank {rank} ({where}):\n{_format_remote(envelope)}")
         if envelope["kind"] == "result":
             error: BaseException = ResultSerializationError(
                 f"Rank {rank} returned a value of type {envelope['result_type']} that cannot be pickled to "
@@ -88,7 +91,7 @@ def _root_cause(rank: int, ranks, paths: RunPaths, mux: OutputMux) -> BaseExcept
             )
             error.__cause__ = remote
             return error
-        _label(exception, rank, world_size, pid, log)
+        _label(exception, rank, world_size, where, log)
         exception.__cause__ = remote
         return exception
     code, signo = ranks.exit_status(rank)
@@ -124,7 +127,7 @@ class TimeoutReport:
         self._captured = mux.capture_stderr()
         if self._python:
             for rank in ranks.ranks_running_at_timeout:
-                obstacle = _dump_obstacle(ranks.pid(rank), STACK_DUMP_SIGNAL)
+                obstacle = ranks.stack_dump_obstacle(rank)
                 if obstacle is not None:
                     self._obstacles[rank] = obstacle
 
@@ -150,33 +153,6 @@ _STACK_HEADER = "(most recent call first)"
 
 
 
-def _dump_obstacle(pid: int, signo: signal.Signals) -> str | None:
-    """Why `pid` cannot answer `signo` with a stack, as far as /proc tells; None if nothing seen."""
-    bit = 1 << (signo - 1)
-    try:
-        status = _proc_status(f"/proc/{pid}/status")
-        threads = [_proc_status(f"/proc/{pid}/task/{tid}/status") for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return None
-    state = status.get("State", "")
-    if state[:1] in ("T", "t"):
-        return f"it is stopped ({state}: SIGSTOP or a debugger)"
-    if int(status.get("SigIgn", "0"), 16) & bit:
-        return f"it ignores {signo.name}"
-    if threads and all(int(thread.get("SigBlk", "0"), 16) & bit for thread in threads):
-        return f"it blocks {signo.name} in every thread"
-    if not int(status.get("SigCgt", "0"), 16) & bit:
-        return f"it has no handler for {signo.name} (faulthandler's was removed)"
-    return None
-
-
-
-def _proc_status(path: str) -> dict[str, str]:
-    with open(path) as file:
-        return dict(line.rstrip("\n").split(":\t", 1) for line in file if ":\t" in line)
-
-
-
 def _format_remote(envelope: dict) -> str:
     """The rank's traceback with source lines looked up here, where a notebook's cells are known."""
     frames = envelope.get("frames")
@@ -187,12 +163,12 @@ def _format_remote(envelope: dict) -> str:
 
 
 
-def _label(exception: BaseException, rank: int, world_size: int, pid: int, log: str) -> None:
+def _label(exception: BaseException, rank: int, world_size: int, where: str, log: str) -> None:
     """Names the rank in the message where the message is a plain string, and in a note always."""
     args = exception.args
     if type(exception).__str__ is BaseException.__str__ and len(args) == 1 and isinstance(args[0], str):
         exception.args = (f"[rank {rank}] {args[0]}",)
-    exception.add_note(f"fanrun: raised on rank {rank} of {world_size} (pid {pid}); full log: {log}")
+    exception.add_note(f"fanrun: raised on rank {rank} of {world_size} ({where}); full log: {log}")
 
 
 

@@ -111,7 +111,11 @@ class RunPaths:
 
     def write_payload(self, *chunks: bytes) -> None:
         """Writes the payload, 0600, under a temporary name, fsynced, then renamed into place."""
-        name = self.payload.name
+        self.write_file(self.payload.name, *chunks)
+
+    def write_file(self, name: str, *chunks: bytes) -> None:
+        """Writes a file of the run (the payload; a rank's result, error or log that a cluster's
+        node sent back), 0600, under a temporary name, fsynced, then renamed into place."""
         fd = open_private(self._dir_fd, name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             for chunk in chunks:

@@ -1,4 +1,5 @@
-"""The run's rendezvous point: a port on 127.0.0.1 that the caller picks and holds.
+"""The run's rendezvous point: a port that the caller picks and holds, on 127.0.0.1 for a run on
+one machine (on node 0's address, held by node 0's agent, for a run over several).
 
 For Python ranks, where torch is importable, the caller hosts torch's TCPStore on that
 port itself, as torchrun's agent does, and the ranks join it as clients
@@ -18,21 +19,24 @@ LOOPBACK = "127.0.0.1"
 
 
 class Rendezvous:
-    def __init__(self, host_store: bool) -> None:
-        self._socket: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.bind((LOOPBACK, 0))
+    def __init__(self, host_store: bool, host: str = LOOPBACK) -> None:
+        """`host` is the address the ranks reach: loopback, unless ranks on other machines join."""
+        self.host = host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket: socket.socket | None = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.bind((host, 0))
         self._socket.listen(1024)
         self.port: int = self._socket.getsockname()[1]
         self._store = None
         if host_store and importlib.util.find_spec("torch") is not None:
-            self._store = _host_store(self._socket, self.port)
+            self._store = _host_store(self._socket, host, self.port)
 
     @property
     def hosts_store(self) -> bool:
         return self._store is not None
 
     def environment(self) -> dict[str, str]:
-        env = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(self.port)}
+        env = {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port)}
         if self.hosts_store:
             env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         return env
@@ -50,7 +54,7 @@ class Rendezvous:
             self._socket = None
 
 
-def _host_store(listener: socket.socket, port: int):
+def _host_store(listener: socket.socket, host: str, port: int):
     try:
         from torch.distributed import TCPStore
     except ImportError:
@@ -60,7 +64,7 @@ def _host_store(listener: socket.socket, port: int):
     fd = os.dup(listener.fileno())
     try:
         return TCPStore(
-            LOOPBACK,
+            host,
             port,
             None,
             True,

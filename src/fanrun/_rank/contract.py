@@ -35,6 +35,7 @@ ENV_RUN_ID = "FANRUN_RUN_ID"  # the run's directory name: shared by its ranks, a
 ENV_RUN_DIR = "FANRUN_RUN_DIR"  # the run's directory
 ENV_CONTROL_FD = "FANRUN_CONTROL_FD"  # CONTROL_FD, where the engine gave the rank its control channel
 ENV_ACCELERATOR = "FANRUN_ACCELERATOR"  # "gpu" or "cpu"
+ENV_NODE_ID = "FANRUN_NODE_ID"  # the cluster's id of the rank's node (Ray's node id); unset on one machine
 ENV_TRACKING = "FANRUN_MLFLOW"  # what the rank's MLflow does (_rank/tracking.py); unset outside @distributed
 
 # The control channel: a pipe at this descriptor in every rank, one message a line.

@@ -2,7 +2,10 @@
 streams their output, reports their events and stops them, behind one interface (base.py);
 the launcher (fanrun._launch) drives any of them the same way.
 
-  local.py   this machine: the engine's supervisor, one keeper per rank
+  local.py       this machine: the engine's supervisor, one keeper per rank
+  ray/           the nodes of a Ray cluster: one agent per node runs that node's ranks as local.py does
+  rank_env.py    every rank's environment, for its place among the run's nodes
+  stack_dump.py  why a rank cannot dump its stack at a timeout, read on its own machine
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from .local import LocalBackend
 
 def for_plan(plan) -> Backend:
     """The backend that runs this plan."""
+    if plan.backend == "ray":
+        from .ray import RayBackend
+
+        return RayBackend()
     if plan.nodes != 1:
         raise ValueError(f"a plan of {plan.nodes} nodes needs a cluster backend; this machine runs one node")
     return LocalBackend()

@@ -42,6 +42,8 @@ class Ranks(Protocol):
     stop_reason: _core.StopReason
     first_failed_rank: int
     ranks_running_at_timeout: list[int]
+    # An end of the backend's own that no rank reports (a node lost): raised as the run's outcome.
+    failure: BaseException | None
 
     def wait(self, max_wait_s: float = -1.0) -> tuple[list[Event], bool, bool]:
         """(events, interrupted, done): waits at most max_wait_s (no limit below 0)."""
@@ -53,6 +55,12 @@ class Ranks(Protocol):
         """Kills every rank now and waits for them."""
 
     def pid(self, rank: int) -> int: ...
+
+    def location(self, rank: int) -> str:
+        """Where the rank runs, for messages: "pid 123", with its node where there are several."""
+
+    def stack_dump_obstacle(self, rank: int) -> str | None:
+        """At a timeout, while the rank still runs: why it cannot dump its stack, if /proc says."""
 
     def exit_status(self, rank: int) -> tuple[int, int] | None: ...
 

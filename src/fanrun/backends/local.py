@@ -5,32 +5,19 @@ that the caller holds for the run."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 from .. import _core
 from .._accelerators import Plan
-from .._launch.paths import RunPaths
 from .._launch.rendezvous import Rendezvous
-from .._rank import contract
 from .._rank.worker import STACK_DUMP_SIGNAL
+from . import stack_dump
 from .base import KILL_GRACE_S, STACK_DUMP_WAIT_S, Launch
+from .rank_env import NodeLayout, flatten, rank_environment
 
 # Each rank runs under a keeper of its own, which ends every process the rank started when the
 # rank ends or the caller dies (cpp/include/fanrun/kept_process.h).
 KEEPER = str(Path(__file__).parent.parent / "fanrun-keeper")
-
-# Set in every rank unless the caller set them (Megatron-LM measured 1012 s vs 26 s
-# without OMP_NUM_THREADS when ranks oversubscribe the cores).
-RANK_DEFAULTS = {
-    "OMP_NUM_THREADS": "1",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    "PYTHONUNBUFFERED": "1",
-    # A single-node run talks over loopback only.
-    "GLOO_SOCKET_IFNAME": "lo",
-    "NCCL_SOCKET_IFNAME": "lo",
-}
-
 
 
 class LocalBackend:
@@ -40,7 +27,7 @@ class LocalBackend:
         rendezvous = Rendezvous(host_store=launch.program.python)
         try:
             envs = [
-                _flatten(rank_environment(launch.env, rank, plan, rendezvous.environment(), launch.paths))
+                flatten(rank_environment(launch.env, NodeLayout.single(plan), rank, rendezvous.environment(), launch.paths))
                 for rank in range(plan.world_size)
             ]
             rendezvous.release_port_for_ranks()
@@ -71,6 +58,7 @@ class LocalRanks:
         self._supervisor = supervisor
         self._rendezvous = rendezvous
         self.world_size = supervisor.world_size
+        self.failure = None  # every end of a local run is a rank's
 
     def wait(self, max_wait_s: float = -1.0):
         return self._supervisor.wait(max_wait_s)
@@ -99,44 +87,11 @@ class LocalRanks:
     def exit_status(self, rank: int) -> tuple[int, int] | None:
         return self._supervisor.exit_status(rank)
 
+    def location(self, rank: int) -> str:
+        return f"pid {self.pid(rank)}"
+
+    def stack_dump_obstacle(self, rank: int) -> str | None:
+        return stack_dump.obstacle(self.pid(rank), STACK_DUMP_SIGNAL)
+
     def close(self) -> None:
         self._rendezvous.close()
-
-
-def rank_environment(
-    base: Mapping[str, str], rank: int, plan: Plan, rendezvous: Mapping[str, str], paths: RunPaths
-) -> dict[str, str]:
-    """torchrun's variables for one rank of a single-node run, on top of the caller's environment."""
-    env = dict(base)
-    for key, value in RANK_DEFAULTS.items():
-        env.setdefault(key, value)
-    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    world = str(plan.world_size)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=world,
-        LOCAL_WORLD_SIZE=world,
-        GROUP_RANK="0",
-        NODE_RANK="0",
-        GROUP_WORLD_SIZE="1",
-        ROLE_NAME="default",
-        ROLE_RANK=str(rank),
-        ROLE_WORLD_SIZE=world,
-        TORCHELASTIC_RUN_ID=paths.run_id,
-        TORCHELASTIC_RESTART_COUNT="0",
-        TORCHELASTIC_MAX_RESTARTS="0",
-    )
-    env[contract.ENV_RUN_ID] = paths.run_id
-    env[contract.ENV_RUN_DIR] = str(paths.directory)
-    env[contract.ENV_CONTROL_FD] = str(contract.CONTROL_FD)
-    env[contract.ENV_ACCELERATOR] = "gpu" if plan.use_gpus else "cpu"
-    env.update(rendezvous)
-    if not plan.use_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU processes, even on a machine with GPUs
-    return env
-
-
-
-def _flatten(env: Mapping[str, str]) -> list[str]:
-    return [f"{key}={value}" for key, value in env.items()]

@@ -1,0 +1,170 @@
+"""The Ray backend: a call's ranks spread over the nodes of a Ray cluster, `world_size / nodes` on
+each, with one agent per node that runs them with the engine's own supervisor.
+
+  connect.py      fanrun.ray_init / ray_shutdown: this process's connection to a cluster
+  placement.py    the placement group (one bundle per node, STRICT_SPREAD) and the node agents
+  node_agent.py   the actor on each node: the engine's supervisor for that node's ranks
+  ranks.py        the caller's view of every node's ranks, as the launcher drives them
+  metric_link.py  what ranks log to MLflow, from the nodes to the caller's tracking agent
+  versions.py     the versions every node must share with the caller
+
+Ray is imported when a call uses it, never by `import fanrun`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..._accelerators import DEFAULT_CPU_RANKS, AcceleratorRequest, Plan
+from ..._errors import AcceleratorMismatchError, NodeEnvironmentError
+from ..._rank import tracking as rank_tracking
+from ..base import Launch
+from . import connect, placement
+from .ranks import Node, RayRanks
+from .versions import differences, installed_versions
+
+# The caller's variables that go to every node's ranks: those that configure the libraries a
+# training function uses. The rest of a rank's environment is its node's own, as Ray gives it to
+# the agent (PATH, HOME, CUDA_VISIBLE_DEVICES for the node's GPUs).
+FORWARDED_PREFIXES = (
+    "FANRUN_", "MLFLOW_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "CUDA_LAUNCH_BLOCKING", "CUBLAS_",
+    "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "WANDB_", "PYTHONHASHSEED",
+)
+# How long the agents may take to start and describe their nodes.
+AGENT_START_S = 120.0
+
+
+def plan(num_accelerators: int | None, request: AcceleratorRequest | None, nodes: int,
+         placement_timeout_s: float) -> Plan:
+    """The plan of a call on the connected cluster: `num_accelerators` ranks in all (by default
+    every GPU of a node, or DEFAULT_CPU_RANKS CPU processes, on each node)."""
+    ray = connect.import_ray()
+    cpu = request is not None and request.cpu
+    use_gpus = not cpu and ray.cluster_resources().get("GPU", 0) > 0
+    if request is not None and not cpu and not use_gpus:
+        raise AcceleratorMismatchError(
+            f"accelerator_type {request.text!r} asks for GPUs, but the Ray cluster has none; "
+            f"pass accelerator_type='CPU' to run CPU processes on its nodes"
+        )
+    if num_accelerators is None:
+        per_node = _most_gpus_on_a_node(ray) if use_gpus else DEFAULT_CPU_RANKS
+        num_accelerators = per_node * nodes
+    if num_accelerators % nodes:
+        lower = max(nodes, num_accelerators - num_accelerators % nodes)
+        raise ValueError(
+            f"num_accelerators={num_accelerators} cannot be shared evenly by nodes={nodes}: every node runs the "
+            f"same number of ranks. Ask for a multiple of {nodes}, such as {lower} or {lower + nodes}"
+        )
+    per_node = num_accelerators // nodes
+    unit = "GPU" if use_gpus else ("CPU process" if per_node == 1 else "CPU processes")
+    noun = "node" if nodes == 1 else "nodes"
+    description = f"{nodes} Ray {noun} x {per_node} {unit}{'s' if use_gpus and per_node != 1 else ''}"
+    kind = f"GPU_{num_accelerators}x{_gpu_model(ray)}" if use_gpus else "CPU"
+    notice = ""
+    if not use_gpus and not cpu:
+        notice = f'no GPU in the Ray cluster: {description}; use the gloo backend (init_process_group("gloo"))'
+    return Plan(num_accelerators, use_gpus, description, kind, notice, nodes=nodes, backend="ray",
+                placement_timeout_s=placement_timeout_s)
+
+
+class RayBackend:
+    name = "ray"
+
+    def start(self, plan: Plan, launch: Launch) -> RayRanks:
+        ray = connect.import_ray()
+        if not ray.is_initialized():
+            connect.ray_init()
+        per_node = plan.world_size // plan.nodes
+        group = placement.place(ray, plan.nodes, per_node, plan.use_gpus, plan.placement_timeout_s)
+        agents = []
+        try:
+            agents = placement.start_agents(ray, group, plan.nodes, per_node, plan.use_gpus)
+            nodes = _describe(ray, agents)
+            master_addr = nodes[0].address
+            master_port = ray.get(agents[0].hold_rendezvous.remote(master_addr))
+            payload = ray.put(launch.paths.payload.read_bytes()) if launch.expect_done else None
+            env = {key: value for key, value in launch.env.items() if key.startswith(FORWARDED_PREFIXES)}
+            tracked = env.get(rank_tracking.VARIABLE, rank_tracking.OFF) != rank_tracking.OFF
+            spec = {
+                "name": launch.paths.run_id[-40:],
+                "argv": launch.program.argv,
+                "python": launch.program.python,
+                "cwd": os.getcwd(),
+                "env": env,
+                "tracked": tracked,
+                "master_addr": master_addr,
+                "master_port": master_port,
+                "timeout_s": float(launch.timeout) if launch.timeout is not None else 0.0,
+            }
+            layouts = [
+                {"node_rank": node, "nodes": plan.nodes, "local_world_size": per_node,
+                 "world_size": plan.world_size, "use_gpus": plan.use_gpus}
+                for node in range(plan.nodes)
+            ]
+            started = ray.get([agent.start.remote({**spec, "layout": layout, "node_id": node.node_id}, payload)
+                               for agent, layout, node in zip(agents, layouts, nodes)])
+            pids = [pid for node_pids in started for pid in node_pids]
+            link = None
+            if tracked:
+                from .metric_link import MetricLink
+
+                def publish(answer: dict) -> None:
+                    for agent in agents:
+                        agent.publish.remote(answer)
+
+                link = MetricLink(env[rank_tracking.VARIABLE], publish)
+            _announce(nodes, per_node)
+            return RayRanks(ray, agents, nodes, per_node, pids, launch.paths, launch.wakeup_fd, group, link)
+        except BaseException:
+            for agent in agents:
+                ray.kill(agent, no_restart=True)  # their keepers end whatever ranks had started
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(group)
+            raise
+
+
+def _describe(ray, agents: list) -> list[Node]:
+    """Each agent's node, once every one runs; a node that cannot run fanrun, or runs other
+    versions than the caller, stops the call here, before any rank starts."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        found = ray.get([agent.describe.remote() for agent in agents], timeout=AGENT_START_S)
+    except RayActorError as error:
+        raise NodeEnvironmentError(
+            f"a node could not start fanrun's agent: {error}. Install fanrun, with the same Python, torch "
+            f"and cloudpickle as here, on every node of the cluster"
+        ) from None
+    except GetTimeoutError:
+        raise NodeEnvironmentError(f"the node agents did not start within {AGENT_START_S:g} s") from None
+    mine = installed_versions()
+    for index, facts in enumerate(found):
+        wrong = differences(mine, facts["versions"])
+        if wrong:
+            raise NodeEnvironmentError(
+                f"node {index} ({facts['address']}, host {facts['hostname']}) has {', '.join(wrong)}. Every node "
+                f"must run the caller's versions of Python, torch, cloudpickle and fanrun: install the same ones there"
+            )
+    return [Node(index, facts["node_id"], facts["address"], facts["hostname"]) for index, facts in enumerate(found)]
+
+
+def _most_gpus_on_a_node(ray) -> int:
+    return int(max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node.get("Alive")), default=0))
+
+
+def _gpu_model(ray) -> str:
+    """The model Ray found on the cluster's GPUs ('H200'), from its accelerator_type resource."""
+    prefix = "accelerator_type:"
+    models = sorted(key[len(prefix):] for key in ray.cluster_resources() if key.startswith(prefix))
+    return models[0] if models else "GPU"
+
+
+def _announce(nodes: list[Node], per_node: int) -> None:
+    where = ", ".join(
+        f"ranks {n.rank * per_node}-{(n.rank + 1) * per_node - 1} on {n.describe()}" if per_node > 1
+        else f"rank {n.rank} on {n.describe()}"
+        for n in nodes
+    )
+    print(f"fanrun: {len(nodes) * per_node} ranks on {len(nodes)} Ray nodes: {where}", file=sys.stderr, flush=True)

@@ -1,0 +1,58 @@
+"""One Ray cluster for every Ray test: a head and a worker node of 2 CPUs each, on this machine,
+started once and stopped at the end, with proof that none of its processes is left.
+
+These tests run inside a network namespace of their own (netns.py; `make test` does it), where
+only loopback is up: Ray binds every service to 127.0.0.1 there, and nothing listens beyond."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+CPUS_PER_NODE = 2
+
+
+def ray_processes(session_dir: str) -> list[tuple[int, str]]:
+    """Live processes of the Ray session in `session_dir` (each names it on its command line)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as file:
+                command = file.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as file:
+                zombie = file.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if session_dir in command and not zombie:
+            found.append((int(entry), command[:160]))
+    return found
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    interfaces = [name for _, name in socket.if_nameindex()]
+    if interfaces != ["lo"]:
+        pytest.fail(f"the Ray tests run in a network namespace with loopback alone (python tests/ray/netns.py "
+                    f"python -m pytest tests/ray); this one has {interfaces}")
+    from ray.cluster_utils import Cluster
+
+    import fanrun
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False})
+    session_dir = cluster.head_node.get_session_dir_path()
+    try:
+        cluster.add_node(num_cpus=CPUS_PER_NODE)
+        cluster.wait_for_nodes()
+        fanrun.ray_init(address=cluster.address)
+        yield cluster
+    finally:
+        fanrun.ray_shutdown()
+        cluster.shutdown()
+    from processes import wait_gone
+
+    left = ray_processes(session_dir)
+    assert wait_gone([pid for pid, _ in left], timeout=30) == [], f"Ray processes left: {left}"

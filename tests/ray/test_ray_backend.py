@@ -1,0 +1,267 @@
+"""@distributed(nodes=...) on a real Ray cluster of two nodes (conftest.py): results and every rank's
+environment, a rank failing on node 1, a node lost mid-call, the caller killed, a cluster too
+small, a timeout on every node, metrics from every node, and ray_init."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+
+import fanrun
+from processes import wait_gone
+
+ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+               "MASTER_ADDR", "MASTER_PORT", "FANRUN_NODE_ID")
+
+
+def on_two_nodes(**options):
+    return fanrun.distributed(num_accelerators=4, nodes=2, accelerator_type="CPU", **options)
+
+
+def alive_node_ids() -> set[str]:
+    import ray
+
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+
+
+@on_two_nodes()
+def all_reduce_and_describe(x):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+    return {**{name: os.environ.get(name) for name in ENVIRONMENT}, "sum": total.item(), "x": x}
+
+
+def test_every_rank_of_every_node_returns_in_rank_order_with_its_place_in_the_cluster(cluster, capfd):
+    results = all_reduce_and_describe.distributed(x=7)
+
+    assert [r["RANK"] for r in results] == ["0", "1", "2", "3"]
+    assert [r["LOCAL_RANK"] for r in results] == ["0", "1", "0", "1"]
+    assert [r["NODE_RANK"] for r in results] == ["0", "0", "1", "1"]
+    assert all(r["GROUP_RANK"] == r["NODE_RANK"] for r in results)
+    assert {(r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) for r in results} == {("4", "2")}
+    assert {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in results} == {("127.0.0.1", results[0]["MASTER_PORT"])}
+    # Two distinct Ray nodes, ranks contiguous on each.
+    node_ids = [r["FANRUN_NODE_ID"] for r in results]
+    assert node_ids[0] == node_ids[1] != node_ids[2] == node_ids[3]
+    assert set(node_ids) == alive_node_ids()
+    assert {r["sum"] for r in results} == {6.0} and {r["x"] for r in results} == {7}
+    out, err = capfd.readouterr()
+    for rank in range(4):
+        assert f"[rank{rank}]: hello from rank {rank}" in out
+    assert "fanrun: 4 ranks on 2 Ray nodes: ranks 0-1 on node 0 (127.0.0.1), ranks 2-3 on node 1 (127.0.0.1)" in err
+
+
+@on_two_nodes()
+def raise_on_rank_2():
+    import os
+    import time
+
+    if os.environ["RANK"] == "2":
+        raise ValueError(f"raised at {time.time()!r}")
+    time.sleep(120)  # the other ranks end only when fanrun stops them
+
+
+def test_a_rank_failing_on_node_1_raises_its_own_exception_within_a_second_and_stops_every_rank(cluster):
+    started = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        raise_on_rank_2.distributed()
+    arrived = time.time()
+    assert time.monotonic() - started < 60, "the ranks still sleeping were not stopped"
+    raised = float(str(info.value).split("raised at ")[1])
+    assert arrived - raised < 1.0
+    assert str(info.value).startswith("[rank 2] raised at")
+    note = " ".join(info.value.__notes__)
+    assert "raised on rank 2 of 4" in note and "on node 1 (127.0.0.1)" in note
+    # The rank's log came back to the caller's run directory, traceback included.
+    log_path = note.split("full log: ")[1].strip()
+    with open(log_path) as log:
+        assert "ValueError: raised at" in log.read()
+
+
+@fanrun.distributed(num_accelerators=6, nodes=3, accelerator_type="CPU")
+def report_then_sleep(fifo):
+    import os
+    import time
+
+    with open(fifo, "w") as ready:
+        ready.write(f"{os.environ['RANK']} {os.environ['FANRUN_NODE_ID']}\n")
+    time.sleep(120)
+
+
+def test_a_node_removed_mid_call_is_named_and_the_other_nodes_ranks_are_stopped(cluster, tmp_path):
+    victim = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    fifo = tmp_path / "ready"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDWR)  # never sees an end of file between two ranks' writes
+    ranks_on = {}
+
+    def remove_victim_once_all_run():
+        with os.fdopen(reader, "r") as lines:
+            for line in lines:
+                rank, node_id = line.split()
+                ranks_on.setdefault(node_id, []).append(int(rank))
+                if sum(map(len, ranks_on.values())) == 6:
+                    break
+        cluster.remove_node(victim)
+
+    remover = threading.Thread(target=remove_victim_once_all_run)
+    remover.start()
+    try:
+        with pytest.raises(fanrun.NodeLostError) as info:
+            report_then_sleep.distributed(str(fifo))
+    finally:
+        remover.join()
+    error = info.value
+    assert error.node_id == victim.node_id
+    assert error.ranks == sorted(ranks_on[victim.node_id])
+    assert f"node {error.node_rank} (127.0.0.1) was lost mid-call" in str(error)
+    assert len(alive_node_ids()) == 2
+
+
+def test_a_node_with_another_fanrun_is_named_before_any_rank_starts(cluster, tmp_path, runs_dir):
+    # A node whose Python finds fanrun 0.0.1's metadata first, as a node with an older install would.
+    metadata = tmp_path / "site" / "fanrun-0.0.1.dist-info"
+    metadata.mkdir(parents=True)
+    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: fanrun\nVersion: 0.0.1\n")
+    odd = cluster.add_node(num_cpus=2, env_vars={"PYTHONPATH": str(metadata.parent)})
+    cluster.wait_for_nodes()
+    runs_before = set(runs_dir.iterdir())
+    try:
+        with pytest.raises(fanrun.NodeEnvironmentError) as info:
+            report_then_sleep.distributed("/nonexistent")
+    finally:
+        cluster.remove_node(odd)
+    assert f"fanrun 0.0.1 (the caller has {fanrun.__version__})" in str(info.value)
+    assert "host" in str(info.value) and "install the same ones there" in str(info.value)
+    # The caller's run directory alone, without a rank's log: no node started anything.
+    new = [path for path in set(runs_dir.iterdir()) - runs_before if "report_then_sleep" in path.name]
+    assert len(new) == 1 and not list(new[0].glob("rank_*"))
+
+
+CALLER = textwrap.dedent(
+    """
+    import sys
+    import fanrun
+
+    fanrun.ray_init(address=sys.argv[1])
+
+    @fanrun.distributed(num_accelerators=4, nodes=2, accelerator_type="CPU")
+    def wait_forever():
+        import os, subprocess, time
+        child = subprocess.Popen(["sleep", "300"])  # something the rank started itself
+        print("pids", os.getpid(), child.pid, flush=True)
+        time.sleep(300)
+
+    wait_forever.distributed()
+    """
+)
+
+
+def test_a_caller_killed_with_sigkill_leaves_no_rank_on_any_node(cluster):
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, cluster.address], stdout=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        for line in caller.stdout:
+            if "pids" in line:
+                pids += [int(pid) for pid in line.split("pids", 1)[1].split()]
+                if len(pids) == 8:
+                    break
+        assert len(pids) == 8
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        caller.stdout.close()
+    assert wait_gone(pids, timeout=15) == []
+
+
+@fanrun.distributed(num_accelerators=6, nodes=3, accelerator_type="CPU", placement_timeout=2)
+def needs_three_nodes():
+    return 1
+
+
+def test_a_cluster_too_small_is_an_error_within_the_placement_timeout_saying_what_is_free(cluster):
+    started = time.monotonic()
+    with pytest.raises(fanrun.ClusterResourcesError) as info:
+        needs_three_nodes.distributed()
+    assert 2 <= time.monotonic() - started < 10
+    assert "asked 3 nodes x 2 CPUs; free: 2 nodes with 2 CPUs" in str(info.value)
+
+
+def test_gpus_asked_of_a_cluster_without_any_are_an_error_before_anything_starts(cluster):
+    with pytest.raises(fanrun.AcceleratorMismatchError, match="the Ray cluster has none"):
+        fanrun.distributed(num_accelerators=2, nodes=2, accelerator_type="GPU_1xH200")(lambda: 1).distributed()
+
+
+@on_two_nodes(timeout=15)
+def stuck_in_a_named_function():
+    import time
+
+    def waiting_for_ever():
+        time.sleep(300)
+
+    waiting_for_ever()
+
+
+def test_a_timeout_dumps_the_stacks_of_every_rank_on_every_node(cluster):
+    with pytest.raises(fanrun.RunTimeoutError) as info:
+        stuck_in_a_named_function.distributed()
+    assert sorted(info.value.stacks) == [0, 1, 2, 3], info.value.missing_stacks
+    for lines in info.value.stacks.values():
+        assert any("waiting_for_ever" in line for line in lines)
+
+
+@on_two_nodes()
+def log_a_metric_per_rank():
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(3):
+        mlflow.log_metric(f"rank_{rank}", rank * 10 + step, step=step)
+    return mlflow.active_run().info.run_id
+
+
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # MLflow's own use of SQLAlchemy 2.1
+def test_metrics_logged_on_every_node_reach_the_calls_run(cluster, monkeypatch, tmp_path):
+    monkeypatch.delenv("FANRUN_TRACKING", raising=False)
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ray-metrics")
+    monkeypatch.chdir(tmp_path)
+    try:
+        run_ids = log_a_metric_per_rank.distributed()
+        fanrun.flush_tracking()
+    finally:
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+    assert len(set(run_ids)) == 1
+    client = MlflowClient(uri)
+    for rank in range(4):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"rank_{rank}"))
+        assert history == [(step, rank * 10 + step) for step in range(3)]
+    assert client.get_run(run_ids[0]).info.status == "FINISHED"
+
+
+def test_ray_init_twice_returns_the_connected_clusters_address(cluster):
+    assert fanrun.ray_init() == fanrun.ray_init(address=cluster.address) == cluster.address
+    assert os.environ["RAY_ADDRESS"] == cluster.address
+    with pytest.raises(RuntimeError, match="ray_shutdown"):
+        fanrun.ray_init(address="127.0.0.1:1")
