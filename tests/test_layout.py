@@ -128,3 +128,16 @@ def test_each_folder_imports_only_what_the_layout_allows(folder):
         if found:
             broken[str(path.relative_to(SRC))] = sorted(found)
     assert broken == {}
+
+
+def test_ray_is_imported_by_the_ray_backend_alone_and_only_when_a_call_uses_it():
+    def ray_names(names: set[str]) -> set[str]:
+        return {name for name in names if name == "ray" or name.startswith("ray.")}
+
+    broken = {}
+    for path in sorted(SRC.rglob("*.py")):
+        inside = path.is_relative_to(SRC / "backends" / "ray")
+        found = ray_names(imported_modules(path, top_only=inside))
+        if found:
+            broken[str(path.relative_to(SRC))] = sorted(found)
+    assert broken == {}

@@ -147,6 +147,11 @@ class CheckpointCorruptError(OSError, FanrunError):
     or missing. The message names the file and the item."""
 
 
+class CheckpointNotSharedError(FileNotFoundError, FanrunError):
+    """A rank cannot see the directory the checkpoint's coordinator made on another machine: the
+    checkpoint path is not storage that every node shares."""
+
+
 class NotACheckpointError(FileNotFoundError, FanrunError):
     """The path holds no complete fanrun checkpoint."""
 

@@ -169,26 +169,51 @@ CALLER = textwrap.dedent(
         print("pids", os.getpid(), child.pid, flush=True)
         time.sleep(300)
 
-    wait_forever.distributed()
+    try:
+        wait_forever.distributed()
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
     """
 )
 
 
-def test_a_caller_killed_with_sigkill_leaves_no_rank_on_any_node(cluster):
+def start_caller_and_its_ranks(cluster) -> tuple[subprocess.Popen, list[int]]:
+    """A caller in a process of its own, once its 4 ranks and what each started are running."""
     caller = subprocess.Popen([sys.executable, "-c", CALLER, cluster.address], stdout=subprocess.PIPE, text=True)
     pids = []
+    for line in caller.stdout:
+        if "pids" in line:
+            pids += [int(pid) for pid in line.split("pids", 1)[1].split()]
+            if len(pids) == 8:
+                break
+    return caller, pids
+
+
+def test_a_caller_killed_with_sigkill_leaves_no_rank_on_any_node(cluster):
+    caller, pids = start_caller_and_its_ranks(cluster)
     try:
-        for line in caller.stdout:
-            if "pids" in line:
-                pids += [int(pid) for pid in line.split("pids", 1)[1].split()]
-                if len(pids) == 8:
-                    break
         assert len(pids) == 8
     finally:
         caller.send_signal(signal.SIGKILL)
         caller.wait()
         caller.stdout.close()
     assert wait_gone(pids, timeout=15) == []
+
+
+def test_ctrl_c_in_the_caller_stops_every_rank_on_every_node_then_raises_keyboard_interrupt(cluster):
+    caller, pids = start_caller_and_its_ranks(cluster)
+    try:
+        assert len(pids) == 8
+        caller.send_signal(signal.SIGINT)
+        rest = caller.stdout.read()
+        assert caller.wait(timeout=60) == 0
+    finally:
+        caller.kill()
+        caller.wait()
+        caller.stdout.close()
+    assert "interrupted" in rest
+    # Stopped before the exception reached the caller's code: nothing to wait for.
+    assert wait_gone(pids, timeout=0) == []
 
 
 @fanrun.distributed(num_accelerators=6, nodes=3, accelerator_type="CPU", placement_timeout=2)
@@ -225,6 +250,43 @@ def test_a_timeout_dumps_the_stacks_of_every_rank_on_every_node(cluster):
     assert sorted(info.value.stacks) == [0, 1, 2, 3], info.value.missing_stacks
     for lines in info.value.stacks.values():
         assert any("waiting_for_ever" in line for line in lines)
+
+
+@on_two_nodes()
+def save_where_node_1_sees_other_files(root):
+    import ctypes
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fanrun.data import VolumeWriter
+
+    if os.environ["NODE_RANK"] == "1":
+        # Node 1 gets a view of its own of `root`, as a machine with its own local disk there
+        # would: a mount namespace for the rank, and an empty tmpfs over the folder.
+        libc = ctypes.CDLL(None, use_errno=True)
+        CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x00020000, 0x4000, 0x40000
+        assert libc.unshare(CLONE_NEWNS) == 0, os.strerror(ctypes.get_errno())
+        assert libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+        assert libc.mount(b"tmpfs", root.encode(), b"tmpfs", 0, None) == 0, os.strerror(ctypes.get_errno())
+    dist.init_process_group("gloo")
+    try:
+        dcp.save({"weight": torch.ones(4) * dist.get_rank()}, storage_writer=VolumeWriter(f"{root}/step_1"))
+        return None
+    except BaseException as error:  # DCP's CheckpointException derives from BaseException
+        return str(error)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs for one rank needs root")
+def test_a_checkpoint_directory_that_a_node_does_not_share_is_a_clear_error(cluster, tmp_path):
+    errors = save_where_node_1_sees_other_files.distributed(str(tmp_path))
+    assert all(errors), errors
+    for error in errors:
+        assert "CheckpointNotSharedError" in error and "rank 2 (node 1) does not see the directory" in error
+        assert "storage that every machine of the run shares" in error
+    assert not (tmp_path / "step_1").exists()
 
 
 @on_two_nodes()

@@ -4,6 +4,7 @@ file dataset with a node-wide cache, and checkpoint storage for torch.distribute
 from .._errors import CacheLimitError as CacheLimitError
 from .._errors import CheckpointCorruptError as CheckpointCorruptError
 from .._errors import CheckpointExistsError as CheckpointExistsError
+from .._errors import CheckpointNotSharedError as CheckpointNotSharedError
 from .._errors import DataFileError as DataFileError
 from .._errors import DataSourceError as DataSourceError
 from .._errors import NotACheckpointError as NotACheckpointError

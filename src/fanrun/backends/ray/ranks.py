@@ -19,6 +19,10 @@ from ..._launch.paths import RunPaths
 from .metric_link import MetricLink
 
 
+# How long closing waits for the threads that follow the killed agents.
+FOLLOWER_STOP_S = 10.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Node:
     rank: int  # node 0 holds ranks 0 .. per_node - 1
@@ -114,8 +118,13 @@ class RayRanks:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self._group)
-        os.close(self._news_read)
-        os.close(self._news_write)
+        # A follower still waiting on a killed agent gets its error at once and stops; only then
+        # can the pipe go, or a late write could land in a descriptor reused meanwhile.
+        for follower in self._followers:
+            follower.join(FOLLOWER_STOP_S)
+        if not any(follower.is_alive() for follower in self._followers):
+            os.close(self._news_read)
+            os.close(self._news_write)
 
     def _follow(self, node: int) -> None:
         agent = self._agents[node]

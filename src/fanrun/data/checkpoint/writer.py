@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ... import _core
-from ..._errors import CheckpointExistsError
+from ..._errors import CheckpointExistsError, CheckpointNotSharedError
 from . import engine_io, layout, storage
 from .staging import HostCopies, stage_state_dict
 
@@ -198,6 +198,16 @@ class VolumeWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target: layout.RankTarget = plan.storage_data
+        if target.staging_dir is not None and not os.path.isdir(target.staging_dir):
+            # The coordinator made it before any rank writes: a rank that cannot see it runs on
+            # a machine that does not share the checkpoint's storage.
+            where = f" (node {os.environ['NODE_RANK']})" if os.environ.get("GROUP_WORLD_SIZE", "1") != "1" else ""
+            raise CheckpointNotSharedError(
+                f"Cannot save a checkpoint to '{self.path}': rank {self.rank}{where} does not see the directory "
+                f"'{target.staging_dir}' that the coordinator (rank 0) has just made, so this path is not "
+                f"storage that every machine of the run shares. Use a directory every node mounts (NFS, "
+                f"Lustre, a FUSE mount of object storage) or an object store URI (s3://, gs://)"
+            )
         staged, self._staged = self._staged, None
         if staged is not None:
             staged.ready()
