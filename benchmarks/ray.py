@@ -20,6 +20,7 @@ import sys
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -179,8 +180,8 @@ def main() -> None:
         calls = {}
         for name, run in runs.items():
             assert run(all_reduce_once) == sum(range(1, WORLD + 1)), name  # warm-up, and a check
-            calls[name] = [timed(lambda: run(all_reduce_once)) for _ in range(args.calls)]
-        failures = {name: failure_latency(lambda: run(raise_on_one_rank)) for name, run in runs.items()}
+            calls[name] = [timed(functools.partial(run, all_reduce_once)) for _ in range(args.calls)]
+        failures = {name: failure_latency(functools.partial(run, raise_on_one_rank)) for name, run in runs.items()}
         # In alternating rounds, so that a slow spell of the machine falls on both.
         rounds = {name: [] for name in runs}
         for _ in range(max(1, args.calls)):

@@ -86,7 +86,7 @@ def main() -> None:
         for result in results:
             losses = ", ".join(f"{loss:.6f}" for loss in result["losses"])
             print(f"    rank {result['rank']} on {result['device']}: {losses}")
-    pairs = [(a, b) for r, l in zip(on_ray, local) for a, b in zip(r["losses"], l["losses"])]
+    pairs = [(a, b) for r, l in zip(on_ray, local, strict=True) for a, b in zip(r["losses"], l["losses"], strict=True)]
     exact = all(a == b for a, b in pairs)
     close = all(math.isclose(a, b, rel_tol=1e-6) for a, b in pairs)
     print(f"losses {'equal bit for bit' if exact else 'equal within 1e-6' if close else 'DIFFERENT'}")

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -320,6 +321,28 @@ def test_metrics_logged_on_every_node_reach_the_calls_run(cluster, monkeypatch, 
         history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"rank_{rank}"))
         assert history == [(step, rank * 10 + step) for step in range(3)]
     assert client.get_run(run_ids[0]).info.status == "FINISHED"
+
+
+def test_the_ray_notebook_runs_in_a_real_kernel_on_two_nodes(cluster, tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    sys.path.insert(0, str(examples))
+    from notebook_format import notebook_of
+
+    notebook = nbformat.read(examples / "ray_ddp.ipynb", as_version=4)
+    script = notebook_of(examples / "ray_ddp.py")
+    assert [(c.cell_type, c.source) for c in notebook.cells] == [(c.cell_type, c.source) for c in script.cells]
+    # The kernel finds the cluster as a notebook on a cluster's machine does: through RAY_ADDRESS.
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = ["".join(o.get("text", "") for o in cell.get("outputs", []) if o.output_type == "stream")
+               for cell in notebook.cells if cell.cell_type == "code"]
+    assert f"Ray cluster: {cluster.address}" in outputs[0]
+    for rank in range(4):
+        assert f"[rank{rank}]: node {rank // 2}: loss" in outputs[1]
+    assert "4 ranks on 2 machines trained; the loss went down on every one." in outputs[2]
 
 
 def test_ray_init_twice_returns_the_connected_clusters_address(cluster):

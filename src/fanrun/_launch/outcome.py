@@ -3,7 +3,6 @@ rank's own, with its traceback chained, or one that says how it exited), or a ti
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import traceback

@@ -38,8 +38,11 @@ AGENT_START_S = 120.0
 def plan(num_accelerators: int | None, request: AcceleratorRequest | None, nodes: int,
          placement_timeout_s: float) -> Plan:
     """The plan of a call on the connected cluster: `num_accelerators` ranks in all (by default
-    every GPU of a node, or DEFAULT_CPU_RANKS CPU processes, on each node)."""
+    every GPU of a node, or DEFAULT_CPU_RANKS CPU processes, on each node). The decorator has
+    checked that a given count is a multiple of `nodes`."""
     ray = connect.import_ray()
+    if not ray.is_initialized():
+        connect.ray_init()  # backend="ray" without a connection: $RAY_ADDRESS, or a head here
     cpu = request is not None and request.cpu
     use_gpus = not cpu and ray.cluster_resources().get("GPU", 0) > 0
     if request is not None and not cpu and not use_gpus:
@@ -50,12 +53,6 @@ def plan(num_accelerators: int | None, request: AcceleratorRequest | None, nodes
     if num_accelerators is None:
         per_node = _most_gpus_on_a_node(ray) if use_gpus else DEFAULT_CPU_RANKS
         num_accelerators = per_node * nodes
-    if num_accelerators % nodes:
-        lower = max(nodes, num_accelerators - num_accelerators % nodes)
-        raise ValueError(
-            f"num_accelerators={num_accelerators} cannot be shared evenly by nodes={nodes}: every node runs the "
-            f"same number of ranks. Ask for a multiple of {nodes}, such as {lower} or {lower + nodes}"
-        )
     per_node = num_accelerators // nodes
     unit = "GPU" if use_gpus else ("CPU process" if per_node == 1 else "CPU processes")
     noun = "node" if nodes == 1 else "nodes"
@@ -73,8 +70,6 @@ class RayBackend:
 
     def start(self, plan: Plan, launch: Launch) -> RayRanks:
         ray = connect.import_ray()
-        if not ray.is_initialized():
-            connect.ray_init()
         per_node = plan.world_size // plan.nodes
         group = placement.place(ray, plan.nodes, per_node, plan.use_gpus, plan.placement_timeout_s)
         agents = []
@@ -103,7 +98,7 @@ class RayBackend:
                 for node in range(plan.nodes)
             ]
             started = ray.get([agent.start.remote({**spec, "layout": layout, "node_id": node.node_id}, payload)
-                               for agent, layout, node in zip(agents, layouts, nodes)])
+                               for agent, layout, node in zip(agents, layouts, nodes, strict=True)])
             pids = [pid for node_pids in started for pid in node_pids]
             link = None
             if tracked:
@@ -162,9 +157,13 @@ def _gpu_model(ray) -> str:
 
 
 def _announce(nodes: list[Node], per_node: int) -> None:
+    """One line before the ranks' output: which ranks run on which node."""
     where = ", ".join(
         f"ranks {n.rank * per_node}-{(n.rank + 1) * per_node - 1} on {n.describe()}" if per_node > 1
         else f"rank {n.rank} on {n.describe()}"
         for n in nodes
     )
-    print(f"fanrun: {len(nodes) * per_node} ranks on {len(nodes)} Ray nodes: {where}", file=sys.stderr, flush=True)
+    world = len(nodes) * per_node
+    ranks = "1 rank" if world == 1 else f"{world} ranks"
+    machines = "1 Ray node" if len(nodes) == 1 else f"{len(nodes)} Ray nodes"
+    print(f"fanrun: {ranks} on {machines}: {where}", file=sys.stderr, flush=True)

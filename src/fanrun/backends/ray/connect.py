@@ -9,8 +9,8 @@ import sys
 
 INSTALL_HINT = "fanrun's Ray backend needs Ray on the caller and on every node: pip install 'fanrun[ray]'"
 
-# What ray_init did in this process, for ray_shutdown to undo: whether it started the cluster
-# (a head on this machine) and the RAY_ADDRESS it replaced (None where there was none).
+# What ray_init did in this process: the address it was given (or found in RAY_ADDRESS), and
+# the RAY_ADDRESS it replaced (None where there was none), which ray_shutdown puts back.
 _state: dict = {}
 
 
@@ -40,7 +40,7 @@ def ray_init(address: str | None = None, **ray_init_kwargs) -> str:
         raise ValueError(f"address must be a Ray cluster's address such as 'ray://host:10001' or 'host:6379', not {address!r}")
     ray = import_ray()
     if ray.is_initialized():
-        current = _address(ray)
+        current = _address(ray, asked=_state.get("asked"))
         if address is not None and address not in (current, "auto", _state.get("asked")):
             raise RuntimeError(
                 f"this process is connected to the Ray cluster at {current} already; call fanrun.ray_shutdown() "
@@ -49,8 +49,8 @@ def ray_init(address: str | None = None, **ray_init_kwargs) -> str:
         return current
     target = address or os.environ.get("RAY_ADDRESS") or None
     ray.init(address=target, **ray_init_kwargs)
-    current = _address(ray)
-    _state.update(started=target is None, asked=address, replaced=os.environ.get("RAY_ADDRESS"))
+    current = _address(ray, asked=target)
+    _state.update(asked=target, replaced=os.environ.get("RAY_ADDRESS"))
     os.environ["RAY_ADDRESS"] = current
     return current
 
@@ -70,5 +70,11 @@ def ray_shutdown() -> None:
         _state.clear()
 
 
-def _address(ray) -> str:
-    return ray.get_runtime_context().gcs_address
+def _address(ray, asked: str | None) -> str:
+    """The cluster's own address; through Ray Client (ray://), which hides it, the one asked for."""
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:
+        if asked:
+            return asked
+        raise
