@@ -207,3 +207,13 @@ def test_import_fanrun_and_its_decorator_load_no_ray():
     code = "import sys, fanrun; fanrun.distributed; fanrun.ray_init; import fanrun.backends.ray; print('ray' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_ray_init_without_ray_installed_says_how_to_install_it():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['ray'] = None\nimport fanrun\n"
+            "try:\n    fanrun.ray_init()\nexcept ImportError as error:\n    print(error)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install 'fanrun[ray]'" in done.stdout, done.stderr
