@@ -132,6 +132,16 @@ class NodeAgent:
             return batch, self._finished
 
     def _pump(self) -> None:
+        try:
+            finished = self._follow_ranks()
+        except BaseException as error:  # a fault of fanrun's: the ranks go, and the caller hears why
+            self._supervisor.kill_and_reap()
+            finished = {"agent_error": f"{type(error).__name__}: {error}"}
+        with self._changed:
+            self._finished = finished
+            self._changed.notify_all()
+
+    def _follow_ranks(self) -> dict:
         supervisor = self._supervisor
         while True:
             events, interrupted, done = supervisor.wait(-1.0)
@@ -154,10 +164,7 @@ class NodeAgent:
                 break
         if self._relay is not None:
             self._relay.stop(RELAY_STOP_S)  # its last values are posted before the end
-        finished = self._ending(supervisor)
-        with self._changed:
-            self._finished = finished
-            self._changed.notify_all()
+        return self._ending(supervisor)
 
     def _ending(self, supervisor) -> dict:
         first = self._first_rank

@@ -159,20 +159,25 @@ class RayRanks:
                         self._link.forward(entry[1])
                 else:
                     self._take_events(node, entry[1], entry[2], events)
-        elif kind == "ended":
+        elif kind == "ended" and "agent_error" not in body:
             self._take_ending(node, body)
+        elif kind == "ended":
+            self._lose(node, f"its agent failed ({body['agent_error']}) and stopped them")
         else:
-            self._ended.add(node)
-            lost = self._nodes[node]
-            ranks = list(range(node * self._per_node, (node + 1) * self._per_node))
-            if self.failure is None and self.stop_reason in (_core.StopReason.NONE, _core.StopReason.CANCELLED):
-                self.failure = NodeLostError(
-                    f"{lost.describe()} was lost mid-call (Ray node id {lost.node_id}, host {lost.hostname}): its "
-                    f"agent died or the node left the cluster ({type(body).__name__}). Ranks {ranks[0]}-{ranks[-1]} "
-                    f"ran there; the other nodes' ranks were stopped.",
-                    node_rank=node, node_id=lost.node_id, address=lost.address, ranks=ranks,
-                )
-            self._tell_others("cancel", stopped=node)
+            self._lose(node, f"its agent died or the node left the cluster ({type(body).__name__})")
+
+    def _lose(self, node: int, why: str) -> None:
+        """A node gone, with its ranks: the root cause unless a rank failed before; the others stop."""
+        self._ended.add(node)
+        lost = self._nodes[node]
+        ranks = list(range(node * self._per_node, (node + 1) * self._per_node))
+        if self.failure is None and self.stop_reason in (_core.StopReason.NONE, _core.StopReason.CANCELLED):
+            self.failure = NodeLostError(
+                f"{lost.describe()} was lost mid-call (Ray node id {lost.node_id}, host {lost.hostname}): {why}. "
+                f"Ranks {ranks[0]}-{ranks[-1]} ran there; the other nodes' ranks were stopped.",
+                node_rank=node, node_id=lost.node_id, address=lost.address, ranks=ranks,
+            )
+        self._tell_others("cancel", stopped=node)
 
     def _take_events(self, node: int, node_events: list, obstacles: dict, events: list) -> None:
         self._obstacles.update(obstacles)
