@@ -19,13 +19,10 @@ from mlflow import MlflowClient
 
 import fanrun
 from processes import wait_gone
+from rank_functions import log_where_node_1_cannot_see_the_store, on_two_nodes, save_where_node_1_sees_other_files
 
 ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
                "MASTER_ADDR", "MASTER_PORT", "FANRUN_NODE_ID")
-
-
-def on_two_nodes(**options):
-    return fanrun.distributed(num_accelerators=4, nodes=2, accelerator_type="CPU", **options)
 
 
 def alive_node_ids() -> set[str]:
@@ -265,34 +262,10 @@ def test_a_timeout_dumps_the_stacks_of_every_rank_on_every_node(cluster):
         assert any("waiting_for_ever" in line for line in lines)
 
 
-@on_two_nodes()
-def save_where_node_1_sees_other_files(root):
-    import ctypes
-    import os
-
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from fanrun.data import VolumeWriter
-
-    if os.environ["NODE_RANK"] == "1":
-        # Node 1 gets a view of its own of `root`, as a machine with its own local disk there
-        # would: a mount namespace for the rank, and an empty tmpfs over the folder.
-        libc = ctypes.CDLL(None, use_errno=True)
-        CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x00020000, 0x4000, 0x40000
-        assert libc.unshare(CLONE_NEWNS) == 0, os.strerror(ctypes.get_errno())
-        assert libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
-        assert libc.mount(b"tmpfs", root.encode(), b"tmpfs", 0, None) == 0, os.strerror(ctypes.get_errno())
-    dist.init_process_group("gloo")
-    try:
-        dcp.save({"weight": torch.ones(4) * dist.get_rank()}, storage_writer=VolumeWriter(f"{root}/step_1"))
-        return None
-    except BaseException as error:  # DCP's CheckpointException derives from BaseException
-        return str(error)
+NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="a rank's private view of a folder needs root (mount)")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs for one rank needs root")
+@NEEDS_ROOT
 def test_a_checkpoint_directory_that_a_node_does_not_share_is_a_clear_error(cluster, tmp_path):
     errors = save_where_node_1_sees_other_files.distributed(str(tmp_path))
     assert all(errors), errors
@@ -355,6 +328,35 @@ def test_the_ray_notebook_runs_in_a_real_kernel_on_two_nodes(cluster, tmp_path, 
     for rank in range(4):
         assert f"[rank{rank}]: node {rank // 2}: loss" in outputs[1]
     assert "4 ranks on 2 machines trained; the loss went down on every one." in outputs[2]
+
+
+@NEEDS_ROOT
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # MLflow's own use of SQLAlchemy 2.1
+def test_ranks_that_cannot_see_the_callers_sqlite_store_still_log_their_metrics_to_the_run(
+        cluster, monkeypatch, tmp_path, capfd):
+    store_folder = tmp_path / "store"
+    store_folder.mkdir()
+    monkeypatch.delenv("FANRUN_TRACKING", raising=False)
+    uri = f"sqlite:///{store_folder / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ray-unreachable-store")
+    monkeypatch.chdir(tmp_path)
+    try:
+        run_ids = log_where_node_1_cannot_see_the_store.distributed(str(store_folder))
+        fanrun.flush_tracking()
+    finally:
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+    assert len(set(run_ids)) == 1
+    client = MlflowClient(uri)
+    for rank in range(4):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"rank_{rank}"))
+        assert history == [(step, rank * 10 + step) for step in range(3)]
+    # Node 0 reached the store itself; node 1's parameters had nowhere to go, and the caller says so.
+    params = client.get_run(run_ids[0]).data.params
+    assert params.get("param_0") == "0" and params.get("param_1") == "1"
+    assert "param_2" not in params and "param_3" not in params
+    assert "ranks on other machines cannot see this call's MLflow store" in capfd.readouterr().err
 
 
 def test_ray_init_twice_returns_the_connected_clusters_address(cluster):

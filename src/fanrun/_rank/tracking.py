@@ -33,6 +33,9 @@ VARIABLE = _contract["ENV_TRACKING"]
 OFF = "off"
 # Left in the run directory by a rank whose function logged to MLflow while the call was not tracked.
 DROPPED_MARKER = "mlflow-dropped"
+# Left by a rank on a machine that cannot see the call's store (a file on the caller's machine),
+# whose function logged something other than the call's metrics, which was dropped.
+UNREACHABLE_MARKER = "mlflow-store-unreachable"
 # Seconds a rank's values gather before they go to the caller, unless the user set MLflow's own.
 DEFAULT_BUFFER_S = 1.0
 # The agent answers within its own deadline for making the run; this only guards against one
@@ -80,9 +83,10 @@ class _AroundImport:
 
 
 def _before_import(how: str) -> tuple:
-    """("run", run_id, socket) for the call's run, with MLflow's variables set for it; ("off",
-    namespace of tracking_off.py) when the call is not tracked, with the tracking URI
-    pointed nowhere. Runs before mlflow reads its variables."""
+    """("run", run_id, socket) for the call's run, with MLflow's variables set for it; ("relay",
+    run_id, socket, namespace of tracking_off.py) for that run where its store cannot be seen
+    from here; ("off", namespace of tracking_off.py) when the call is not tracked, with the
+    tracking URI pointed nowhere. Runs before mlflow reads its variables."""
     if how != OFF:
         try:
             channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -97,18 +101,54 @@ def _before_import(how: str) -> tuple:
         else:
             if answer.get("run_id"):
                 os.environ.update(answer["env"])
+                if not _store_in_reach(os.environ.get("MLFLOW_TRACKING_URI", "")):
+                    # A rank on another machine of a cluster than the caller's local store: the run
+                    # is made active in the store of nowhere, and its metrics still go to the caller.
+                    off = _off_half()
+                    os.environ["MLFLOW_TRACKING_URI"] = off["URI"]
+                    return "relay", answer["run_id"], channel, off
                 return "run", answer["run_id"], channel
             channel.close()
-    import runpy
-
-    off = runpy.run_path(os.path.join(os.path.dirname(__file__), "tracking_off.py"))
+    off = _off_half()
     os.environ["MLFLOW_TRACKING_URI"] = off["URI"]
     return "off", off
+
+
+def _off_half() -> dict:
+    import runpy
+
+    return runpy.run_path(os.path.join(os.path.dirname(__file__), "tracking_off.py"))
+
+
+def _store_in_reach(uri: str) -> bool:
+    """False for a store in a file (sqlite, or a folder of runs) that this machine does not have:
+    the caller's own, seen from another machine of a cluster. Servers count as reachable."""
+    from urllib.parse import urlparse
+
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):].split("?", 1)[0]
+    elif uri.startswith("file:"):
+        path = urlparse(uri).path
+    elif uri and "://" not in uri:
+        path = uri
+    else:
+        return True
+    return os.path.exists(path)
 
 
 def _after_import(mlflow, state: tuple) -> None:
     if state[0] == "run":
         _activate(mlflow, *state[1:])
+        return
+    if state[0] == "relay":
+        _, run_id, channel, off = state
+        run_dir = os.environ.get(_contract["ENV_RUN_DIR"], ".")
+        try:
+            off["install"](off["marker"](run_dir, UNREACHABLE_MARKER))
+        except Exception as error:
+            _say(f"could not stand in for the unreachable tracking store ({type(error).__name__}: {error})")
+            return
+        _activate(mlflow, run_id, channel)
         return
     off = state[1]
     try:

@@ -117,6 +117,8 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
     except BaseException as error:
         run.end(call.paths, plan.world_size, error)
         raise
+    finally:
+        _tell_if_unreachable(call.paths)
     run.end(call.paths, plan.world_size, None)
 
 
@@ -347,6 +349,18 @@ def _tell_if_dropped(paths: RunPaths | None) -> None:
             "dropped",
             "fanrun: this call is not tracked (tracking=False or FANRUN_TRACKING=0), so what its ranks logged "
             "with mlflow went nowhere; no MLflow run was made. Leave tracking on to keep it.",
+        )
+
+
+def _tell_if_unreachable(paths: RunPaths | None) -> None:
+    """Once per process: ranks on other machines of a cluster could not see the call's store (a
+    file on this machine); their metrics reached the run, and what else they logged did not."""
+    if paths is not None and (paths.directory / rank_half.UNREACHABLE_MARKER).exists():
+        _notice_once(
+            "unreachable",
+            "fanrun: ranks on other machines cannot see this call's MLflow store (a file on this machine): their "
+            "metrics reached the run through fanrun, but the parameters, tags and artifacts they logged were "
+            "dropped. Use a tracking server (MLFLOW_TRACKING_URI=http://...) to keep them.",
         )
 
 

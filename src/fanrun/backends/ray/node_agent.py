@@ -176,9 +176,9 @@ class NodeAgent:
             "exits": {rank: supervisor.exit_status(rank - first) for rank in self._ranks},
             "files": {},
         }
-        # The marker a rank leaves when it logged to MLflow while the call was not tracked: the
-        # caller says so once.
-        names = [rank_tracking.DROPPED_MARKER]
+        # The markers a rank leaves when what it logged to MLflow was dropped (the call was not
+        # tracked, or this node cannot see the caller's store): the caller says so once.
+        names = [rank_tracking.DROPPED_MARKER, rank_tracking.UNREACHABLE_MARKER]
         for rank in self._ranks:
             names += [result_name(rank), error_name(rank), log_name(rank)]
         for name in names:
