@@ -1,7 +1,8 @@
 """Runs a command in a network namespace of its own, where only loopback is up, so that a Ray
 cluster started there binds every service to 127.0.0.1 and nothing listens beyond the machine:
     python tests/ray/netns.py <command> [args...]
-As root, a new network namespace alone; otherwise inside a new user namespace too."""
+A new network namespace alone where this process may make one (root); otherwise inside a new
+user namespace too, with the same uid and gid inside as outside, so that files keep their owners."""
 
 from __future__ import annotations
 
@@ -19,10 +20,16 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 def enter_namespace() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWNET | CLONE_NEWUSER
-    if libc.unshare(flags) != 0:
-        error = ctypes.get_errno()
-        sys.exit(f"netns.py: unshare failed ({os.strerror(error)}): this machine does not allow a network namespace here")
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return
+    alone = os.strerror(ctypes.get_errno())
+    uid, gid = os.geteuid(), os.getegid()
+    if libc.unshare(CLONE_NEWNET | CLONE_NEWUSER) != 0:
+        sys.exit(f"netns.py: this machine allows no network namespace here: unshare failed ({alone}; with a "
+                 f"user namespace: {os.strerror(ctypes.get_errno())})")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as file:
+            file.write(text)
 
 
 def bring_loopback_up() -> None:
