@@ -211,8 +211,10 @@ def log_every_way():
 
     rank = int(os.environ["RANK"])
     run_id = mlflow.active_run().info.run_id
-    mlflow.log_metrics({"accuracy": 0.5 + rank, "lr": 0.1}, step=1)
-    mlflow.log_metric("numpy_value", numpy.float32(2.5), step=1)
+    # Each rank's values differ: MLflow's store keeps one row for equal (key, value, step,
+    # timestamp), and two ranks can log in the same millisecond.
+    mlflow.log_metrics({"accuracy": 0.5 + rank, "lr": 0.1 * (rank + 1)}, step=1)
+    mlflow.log_metric("numpy_value", numpy.float32(2.5 + rank), step=1)
     mlflow.log_metric("timed", 1.0 + rank, step=5, timestamp=1_700_000_000_123, synchronous=False).wait()
     mlflow.MlflowClient().log_metric(run_id, "client_metric", 3.0 + rank, step=2)
     # A DataLoader worker forked from the rank ends with os._exit: its values go at once.
@@ -242,8 +244,8 @@ def test_every_way_of_logging_reaches_its_run(sqlite_store):
     assert len(outer) == 1, [(r.info.run_name, r.info.lifecycle_stage) for r in client.search_runs([experiment_id])]
     run_id = outer[0].info.run_id
     assert history(client, run_id, "accuracy") == [(1, 0.5), (1, 1.5)]
-    assert history(client, run_id, "lr") == [(1, 0.1), (1, 0.1)]
-    assert history(client, run_id, "numpy_value") == [(1, 2.5), (1, 2.5)]
+    assert history(client, run_id, "lr") == [(1, 0.1), (1, 0.2)]
+    assert history(client, run_id, "numpy_value") == [(1, 2.5), (1, 3.5)]
     timed = sorted((m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, "timed"))
     assert timed == [(5, 1_700_000_000_123, 1.0), (5, 1_700_000_000_123, 2.0)]
     assert history(client, run_id, "client_metric") == [(2, 3.0), (2, 4.0)]
