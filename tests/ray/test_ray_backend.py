@@ -110,7 +110,8 @@ def report_then_sleep(fifo):
     import time
 
     with open(fifo, "w") as ready:
-        ready.write(f"{os.environ['RANK']} {os.environ['FANRUN_NODE_ID']}\n")
+        # The rank's pid and its keeper's.
+        ready.write(f"{os.environ['RANK']} {os.environ['FANRUN_NODE_ID']} {os.getpid()} {os.getppid()}\n")
     time.sleep(120)
 
 
@@ -120,13 +121,14 @@ def test_a_node_removed_mid_call_is_named_and_the_other_nodes_ranks_are_stopped(
     fifo = tmp_path / "ready"
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDWR)  # never sees an end of file between two ranks' writes
-    ranks_on = {}
+    ranks_on, pids_on = {}, {}
 
     def remove_victim_once_all_run():
         with os.fdopen(reader, "r") as lines:
             for line in lines:
-                rank, node_id = line.split()
+                rank, node_id, *pids = line.split()
                 ranks_on.setdefault(node_id, []).append(int(rank))
+                pids_on.setdefault(node_id, []).extend(map(int, pids))
                 if sum(map(len, ranks_on.values())) == 6:
                     break
         cluster.remove_node(victim)
@@ -143,6 +145,9 @@ def test_a_node_removed_mid_call_is_named_and_the_other_nodes_ranks_are_stopped(
     assert error.ranks == sorted(ranks_on[victim.node_id])
     assert f"node {error.node_rank} (127.0.0.1) was lost mid-call" in str(error)
     assert len(alive_node_ids()) == 2
+    # The other nodes' ranks were stopped before the error came; the lost node's, and their
+    # keepers, go with its agent, on their own clock.
+    assert wait_gone(pids_on[victim.node_id], timeout=10) == []
 
 
 def test_a_node_with_another_fanrun_is_named_before_any_rank_starts(cluster, tmp_path, runs_dir):
@@ -176,7 +181,7 @@ CALLER = textwrap.dedent(
     def wait_forever():
         import os, subprocess, time
         child = subprocess.Popen(["sleep", "300"])  # something the rank started itself
-        print("pids", os.getpid(), child.pid, flush=True)
+        print("pids", os.getpid(), child.pid, os.getppid(), flush=True)  # the rank, its child, its keeper
         time.sleep(300)
 
     try:
@@ -188,13 +193,14 @@ CALLER = textwrap.dedent(
 
 
 def start_caller_and_its_ranks(cluster) -> tuple[subprocess.Popen, list[int]]:
-    """A caller in a process of its own, once its 4 ranks and what each started are running."""
+    """A caller in a process of its own, once its 4 ranks and what each started are running; with
+    the pids of the ranks, their children and their keepers."""
     caller = subprocess.Popen([sys.executable, "-c", CALLER, cluster.address], stdout=subprocess.PIPE, text=True)
     pids = []
     for line in caller.stdout:
         if "pids" in line:
             pids += [int(pid) for pid in line.split("pids", 1)[1].split()]
-            if len(pids) == 8:
+            if len(pids) == 12:
                 break
     return caller, pids
 
@@ -202,7 +208,7 @@ def start_caller_and_its_ranks(cluster) -> tuple[subprocess.Popen, list[int]]:
 def test_a_caller_killed_with_sigkill_leaves_no_rank_on_any_node(cluster):
     caller, pids = start_caller_and_its_ranks(cluster)
     try:
-        assert len(pids) == 8
+        assert len(pids) == 12
     finally:
         caller.send_signal(signal.SIGKILL)
         caller.wait()
@@ -213,7 +219,7 @@ def test_a_caller_killed_with_sigkill_leaves_no_rank_on_any_node(cluster):
 def test_ctrl_c_in_the_caller_stops_every_rank_on_every_node_then_raises_keyboard_interrupt(cluster):
     caller, pids = start_caller_and_its_ranks(cluster)
     try:
-        assert len(pids) == 8
+        assert len(pids) == 12
         caller.send_signal(signal.SIGINT)
         rest = caller.stdout.read()
         assert caller.wait(timeout=60) == 0
@@ -287,15 +293,15 @@ def log_a_metric_per_rank():
     return mlflow.active_run().info.run_id
 
 
-@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # MLflow's own use of SQLAlchemy 2.1
-def test_metrics_logged_on_every_node_reach_the_calls_run(cluster, monkeypatch, tmp_path):
+def tracked_call_in_a_sqlite_store(monkeypatch, folder, call) -> tuple[MlflowClient, str]:
+    """Runs `call` tracked, in a sqlite store in `folder`; (its client, the call's run id), once
+    every rank's metric rank_N (rank * 10 + step, steps 0-2) is in the store."""
     monkeypatch.delenv("FANRUN_TRACKING", raising=False)
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    uri = f"sqlite:///{folder / 'store.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ray-metrics")
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"ray-{folder.name}")
     try:
-        run_ids = log_a_metric_per_rank.distributed()
+        run_ids = call()
         fanrun.flush_tracking()
     finally:
         while mlflow.active_run() is not None:
@@ -305,7 +311,14 @@ def test_metrics_logged_on_every_node_reach_the_calls_run(cluster, monkeypatch, 
     for rank in range(4):
         history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"rank_{rank}"))
         assert history == [(step, rank * 10 + step) for step in range(3)]
-    assert client.get_run(run_ids[0]).info.status == "FINISHED"
+    return client, run_ids[0]
+
+
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # MLflow's own use of SQLAlchemy 2.1
+def test_metrics_logged_on_every_node_reach_the_calls_run(cluster, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    client, run_id = tracked_call_in_a_sqlite_store(monkeypatch, tmp_path, log_a_metric_per_rank.distributed)
+    assert client.get_run(run_id).info.status == "FINISHED"
 
 
 def test_the_ray_notebook_runs_in_a_real_kernel_on_two_nodes(cluster, tmp_path, monkeypatch):
@@ -334,26 +347,13 @@ def test_the_ray_notebook_runs_in_a_real_kernel_on_two_nodes(cluster, tmp_path, 
 @pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # MLflow's own use of SQLAlchemy 2.1
 def test_ranks_that_cannot_see_the_callers_sqlite_store_still_log_their_metrics_to_the_run(
         cluster, monkeypatch, tmp_path, capfd):
-    store_folder = tmp_path / "store"
+    store_folder = tmp_path / "unreachable-store"
     store_folder.mkdir()
-    monkeypatch.delenv("FANRUN_TRACKING", raising=False)
-    uri = f"sqlite:///{store_folder / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ray-unreachable-store")
     monkeypatch.chdir(tmp_path)
-    try:
-        run_ids = log_where_node_1_cannot_see_the_store.distributed(str(store_folder))
-        fanrun.flush_tracking()
-    finally:
-        while mlflow.active_run() is not None:
-            mlflow.end_run()
-    assert len(set(run_ids)) == 1
-    client = MlflowClient(uri)
-    for rank in range(4):
-        history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"rank_{rank}"))
-        assert history == [(step, rank * 10 + step) for step in range(3)]
+    client, run_id = tracked_call_in_a_sqlite_store(
+        monkeypatch, store_folder, lambda: log_where_node_1_cannot_see_the_store.distributed(str(store_folder)))
     # Node 0 reached the store itself; node 1's parameters had nowhere to go, and the caller says so.
-    params = client.get_run(run_ids[0]).data.params
+    params = client.get_run(run_id).data.params
     assert params.get("param_0") == "0" and params.get("param_1") == "1"
     assert "param_2" not in params and "param_3" not in params
     assert "ranks on other machines cannot see this call's MLflow store" in capfd.readouterr().err
