@@ -104,20 +104,17 @@ def _before_import(how: str) -> tuple:
                 if not _store_in_reach(os.environ.get("MLFLOW_TRACKING_URI", "")):
                     # A rank on another machine of a cluster than the caller's local store: the run
                     # is made active in the store of nowhere, and its metrics still go to the caller.
-                    off = _off_half()
-                    os.environ["MLFLOW_TRACKING_URI"] = off["URI"]
-                    return "relay", answer["run_id"], channel, off
+                    return "relay", answer["run_id"], channel, _point_nowhere()
                 return "run", answer["run_id"], channel
             channel.close()
-    off = _off_half()
+    return "off", _point_nowhere()
+
+
+def _point_nowhere() -> dict:
+    """tracking_off.py's namespace, with MLflow's tracking URI set to its store of nowhere."""
+    off = runpy.run_path(os.path.join(os.path.dirname(__file__), "tracking_off.py"))
     os.environ["MLFLOW_TRACKING_URI"] = off["URI"]
-    return "off", off
-
-
-def _off_half() -> dict:
-    import runpy
-
-    return runpy.run_path(os.path.join(os.path.dirname(__file__), "tracking_off.py"))
+    return off
 
 
 def _store_in_reach(uri: str) -> bool:

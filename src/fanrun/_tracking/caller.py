@@ -90,7 +90,7 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
         try:
             yield untracked
         finally:
-            _tell_if_dropped(untracked.paths)
+            _tell_if_marked(untracked.paths, rank_half.DROPPED_MARKER)
         return
     if not _mlflow_installed():
         _notice_once(
@@ -118,7 +118,7 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
         run.end(call.paths, plan.world_size, error)
         raise
     finally:
-        _tell_if_unreachable(call.paths)
+        _tell_if_marked(call.paths, rank_half.UNREACHABLE_MARKER)
     run.end(call.paths, plan.world_size, None)
 
 
@@ -342,26 +342,25 @@ def outcome(error: BaseException | None) -> tuple[str, dict[str, str]]:
 # ---------------------------------------------------------------- notices and warnings
 
 
-def _tell_if_dropped(paths: RunPaths | None) -> None:
-    """Once per process: a call was not tracked, and what its ranks logged with mlflow went nowhere."""
-    if paths is not None and (paths.directory / rank_half.DROPPED_MARKER).exists():
-        _notice_once(
-            "dropped",
-            "fanrun: this call is not tracked (tracking=False or FANRUN_TRACKING=0), so what its ranks logged "
-            "with mlflow went nowhere; no MLflow run was made. Leave tracking on to keep it.",
-        )
+# What a rank's marker in the run directory (_rank/tracking.py) makes the caller say, once per process.
+_MARKER_NOTICES = {
+    # The call was not tracked, and what its ranks logged with mlflow went nowhere.
+    rank_half.DROPPED_MARKER: (
+        "fanrun: this call is not tracked (tracking=False or FANRUN_TRACKING=0), so what its ranks logged "
+        "with mlflow went nowhere; no MLflow run was made. Leave tracking on to keep it."
+    ),
+    # Ranks on other machines of a cluster could not see the call's store (a file on this machine).
+    rank_half.UNREACHABLE_MARKER: (
+        "fanrun: ranks on other machines cannot see this call's MLflow store (a file on this machine): their "
+        "metrics reached the run through fanrun, but the parameters, tags and artifacts they logged were "
+        "dropped. Use a tracking server (MLFLOW_TRACKING_URI=http://...) to keep them."
+    ),
+}
 
 
-def _tell_if_unreachable(paths: RunPaths | None) -> None:
-    """Once per process: ranks on other machines of a cluster could not see the call's store (a
-    file on this machine); their metrics reached the run, and what else they logged did not."""
-    if paths is not None and (paths.directory / rank_half.UNREACHABLE_MARKER).exists():
-        _notice_once(
-            "unreachable",
-            "fanrun: ranks on other machines cannot see this call's MLflow store (a file on this machine): their "
-            "metrics reached the run through fanrun, but the parameters, tags and artifacts they logged were "
-            "dropped. Use a tracking server (MLFLOW_TRACKING_URI=http://...) to keep them.",
-        )
+def _tell_if_marked(paths: RunPaths | None, marker: str) -> None:
+    if paths is not None and (paths.directory / marker).exists():
+        _notice_once(marker, _MARKER_NOTICES[marker])
 
 
 def _notice_once(key: str, text: str) -> None:

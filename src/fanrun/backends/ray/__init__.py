@@ -92,13 +92,12 @@ class RayBackend:
                 "master_port": master_port,
                 "timeout_s": float(launch.timeout) if launch.timeout is not None else 0.0,
             }
-            layouts = [
-                {"node_rank": node, "nodes": plan.nodes, "local_world_size": per_node,
-                 "world_size": plan.world_size, "use_gpus": plan.use_gpus}
-                for node in range(plan.nodes)
-            ]
-            started = ray.get([agent.start.remote({**spec, "layout": layout, "node_id": node.node_id}, payload)
-                               for agent, layout, node in zip(agents, layouts, nodes, strict=True)])
+            layout = {"nodes": plan.nodes, "local_world_size": per_node, "world_size": plan.world_size,
+                      "use_gpus": plan.use_gpus}
+            started = ray.get([
+                agent.start.remote({**spec, "layout": {**layout, "node_rank": node.rank}, "node_id": node.node_id}, payload)
+                for agent, node in zip(agents, nodes, strict=True)
+            ])
             pids = [pid for node_pids in started for pid in node_pids]
             link = None
             if tracked:
@@ -112,11 +111,7 @@ class RayBackend:
             _announce(nodes, per_node)
             return RayRanks(ray, agents, nodes, per_node, pids, launch.paths, launch.wakeup_fd, group, link)
         except BaseException:
-            for agent in agents:
-                ray.kill(agent, no_restart=True)  # their keepers end whatever ranks had started
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(group)
+            placement.release(ray, agents, group)
             raise
 
 

@@ -55,6 +55,16 @@ def start_agents(ray, group, nodes: int, ranks_per_node: int, use_gpus: bool) ->
     ]
 
 
+def release(ray, agents: list, group) -> None:
+    """The agents killed (their keepers end whatever ranks they still run) and the group's
+    resources given back."""
+    from ray.util.placement_group import remove_placement_group
+
+    for agent in agents:
+        ray.kill(agent, no_restart=True)
+    remove_placement_group(group)
+
+
 def _asked(nodes: int, ranks_per_node: int, use_gpus: bool) -> str:
     noun = "node" if nodes == 1 else "nodes"
     unit = "GPU" if use_gpus else "CPU"

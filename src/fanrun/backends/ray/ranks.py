@@ -16,6 +16,7 @@ import threading
 from ... import _core
 from ..._errors import NodeLostError
 from ..._launch.paths import RunPaths
+from . import placement
 from .metric_link import MetricLink
 
 
@@ -113,11 +114,7 @@ class RayRanks:
         self._closed = True
         if self._link is not None:
             self._link.close()
-        for agent in self._agents:
-            self._ray.kill(agent, no_restart=True)
-        from ray.util.placement_group import remove_placement_group
-
-        remove_placement_group(self._group)
+        placement.release(self._ray, self._agents, self._group)
         # A follower still waiting on a killed agent gets its error at once and stops; only then
         # can the pipe go, or a late write could land in a descriptor reused meanwhile.
         for follower in self._followers:
