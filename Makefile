@@ -50,8 +50,8 @@ test-cpp: setup
 # The Ray tests run in a network namespace of their own, with loopback alone (tests/ray/netns.py).
 test-python: setup
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || (apt-get update -qq && apt-get install -y -qq nginx-light)
-	$(PY) -m pytest tests --ignore=tests/ray
-	$(PY) tests/ray/netns.py $(PY) -m pytest tests/ray
+	$(PY) -m pytest tests --ignore=tests/ray --durations=15
+	$(PY) tests/ray/netns.py $(PY) -m pytest tests/ray --durations=5
 
 # In an isolated build environment with pyproject.toml's build requirements, as
 # `pip install <path>` or `pip wheel <path>` builds fanrun anywhere else. WHEEL_DIR moves it.

@@ -305,6 +305,43 @@ def test_partial_save_of_a_live_process_is_not_a_leftover(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_lock_released_by_the_garbage_collector_during_another_release_does_not_deadlock(tmp_path):
+    import subprocess
+    import sys
+
+    # A writer that no one references any more is collected in whatever thread allocates next,
+    # and its finalizer releases its save lock there: possibly inside another lock's release.
+    # The collector is made to run at one such point.
+    code = f"""
+import gc, os, weakref
+from fanrun.data.checkpoint.storage import SaveLock
+
+class Writer:
+    pass
+
+releasing = SaveLock({str(tmp_path / "a")!r})
+collected = Writer()
+collected.cycle = collected
+weakref.finalize(collected, SaveLock({str(tmp_path / "b")!r}).release)
+del collected
+unlink = os.unlink
+
+def unlink_then_collect(path):
+    unlink(path)
+    gc.collect()
+
+os.unlink = unlink_then_collect
+releasing.release()
+print("released")
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("releasing a save lock deadlocked with a finalizer releasing another")
+    assert done.stdout == "released\n", done.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_bad_arguments_are_refused_before_any_work(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -17,6 +17,11 @@ constexpr size_t kReadChunk = 64 * 1024;
 constexpr size_t kLongestLogText = 4 << 20;
 // A year bounds every period: beyond it the clock arithmetic would overflow.
 constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
+// A rank killed by a signal (SIGKILL from the OOM killer, SIGSEGV) drops its connections, and
+// its peers' collectives fail with "connection reset" at once, often before the killed rank's
+// keeper has reported the death. A death by a signal the supervisor did not send, seen this soon
+// after the first failure, is the root cause instead.
+constexpr double kPeerFailureWindowS = 1.0;
 
 // What a descriptor that Wait() polls stands for, besides its rank.
 enum class Watched { kExit, kStdout, kStderr, kControl };
@@ -225,13 +230,22 @@ void Supervisor::OnExit(size_t rank, std::vector<Event>& events) {
   // What the rank started and left behind is gone already: its keeper exits only after that.
   events.push_back(Event{EventKind::kRankExited, static_cast<int>(rank), 0, SegmentKind::kLine, {}, *r.exit});
   if (!r.exit->success() || (options_.expect_done && !r.done)) OnFailure(rank);
+  if (KilledFromOutsideJustAfterTheFirstFailure(*r.exit)) first_failed_rank_ = static_cast<int>(rank);
 }
 
 void Supervisor::OnFailure(size_t rank) {
   if (stop_reason_ != StopReason::kNone) return;  // a consequence, not the cause
   first_failed_rank_ = static_cast<int>(rank);
+  first_failure_at_ = Clock::now();
   stop_reason_ = StopReason::kRankFailed;
-  Terminate(Clock::now());
+  Terminate(*first_failure_at_);
+}
+
+bool Supervisor::KilledFromOutsideJustAfterTheFirstFailure(const ExitStatus& exit) const {
+  if (stop_reason_ != StopReason::kRankFailed || exit.term_signal == 0) return false;
+  // SIGTERM is what the supervisor sends everyone, and SIGKILL once the grace period is over.
+  const bool sent_by_us = exit.term_signal == SIGTERM || (exit.term_signal == SIGKILL && sigkill_sent_);
+  return !sent_by_us && Clock::now() - *first_failure_at_ <= Seconds(kPeerFailureWindowS);
 }
 
 void Supervisor::SignalRunning(int signo, bool with_descendants) {
@@ -273,6 +287,7 @@ void Supervisor::HandleDeadlines(Clock::time_point now, std::vector<Event>& even
   if (dump_done_at_ && now >= *dump_done_at_) Terminate(now);
   if (kill_at_ && now >= *kill_at_) {
     kill_at_.reset();
+    sigkill_sent_ = true;
     SignalRunning(SIGKILL, true);
   }
 }

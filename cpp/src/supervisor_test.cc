@@ -108,6 +108,29 @@ TEST_F(SupervisorTest, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
   ASSERT_TRUE(supervisor.ok());
   RunToEnd(**supervisor);
   EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGKILL);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);  // the supervisor's own SIGKILL names no new cause
+}
+
+TEST_F(SupervisorTest, ARankKilledFromOutsideJustAfterAPeersFailureIsTheRootCause) {
+  // Rank 0 stands for a peer whose collective failed because rank 1 died: its report can come
+  // first, since rank 1's death reaches the supervisor through its keeper.
+  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 0.4; kill -KILL $$; sleep 100"});
+  options.kill_grace_s = 3;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->exit_status(1)->term_signal, SIGKILL);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
+}
+
+TEST_F(SupervisorTest, ARankKilledFromOutsideLongAfterTheFirstFailureIsNotTheRootCause) {
+  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 1.7; kill -KILL $$; sleep 100"});
+  options.kill_grace_s = 5;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->exit_status(1)->term_signal, SIGKILL);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 0);
 }
 
 TEST_F(SupervisorTest, ControlChannelReportsAFailureBeforeTheRankExits) {

@@ -86,7 +86,8 @@ class Supervisor {
   std::optional<ExitStatus> exit_status(int rank) const { return ranks_[static_cast<size_t>(rank)].exit; }
   const std::string& log_path(int rank) const { return ranks_[static_cast<size_t>(rank)].log_path; }
   // The root cause: the first rank that reported a failure, ended badly, or (with
-  // expect_done) exited without reporting "done"; -1 if none.
+  // expect_done) exited without reporting "done"; or a rank killed by a signal that the
+  // supervisor did not send, within a second of that first failure; -1 if none.
   int first_failed_rank() const { return first_failed_rank_; }
   StopReason stop_reason() const { return stop_reason_; }
   // The ranks still running when the timeout struck.
@@ -125,6 +126,7 @@ class Supervisor {
   void PumpControl(size_t rank, std::vector<Event>& events);
   void OnExit(size_t rank, std::vector<Event>& events);
   void OnFailure(size_t rank);
+  bool KilledFromOutsideJustAfterTheFirstFailure(const ExitStatus& exit) const;
   void HandleDeadlines(Clock::time_point now, std::vector<Event>& events);
   void ShowHeldOutput(Clock::time_point now, std::vector<Event>& events);
   void Terminate(Clock::time_point now);
@@ -137,8 +139,9 @@ class Supervisor {
   int first_failed_rank_ = -1;
   StopReason stop_reason_ = StopReason::kNone;
   std::vector<int> running_at_timeout_;
-  std::optional<Clock::time_point> timeout_at_, dump_done_at_, kill_at_;
+  std::optional<Clock::time_point> timeout_at_, dump_done_at_, kill_at_, first_failure_at_;
   bool terminating_ = false;
+  bool sigkill_sent_ = false;
 };
 
 }  // namespace fanrun

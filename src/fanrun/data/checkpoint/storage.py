@@ -397,6 +397,8 @@ class SaveLock:
             self._fd = None
 
 
-# The save locks this process holds, by path (see _release_if_over).
+# The save locks this process holds, by path (see _release_if_over). Reentrant: a writer's
+# finalizer releases its lock wherever the garbage collector runs, which may be inside another
+# release in the same thread.
 _HELD: dict[str, SaveLock] = {}
-_HELD_LOCK = threading.Lock()
+_HELD_LOCK = threading.RLock()
