@@ -276,6 +276,30 @@ def test_a_rank_killed_by_sigkill_is_named():
     assert caught.value.signal_name == "SIGKILL"
 
 
+@distributed(num_accelerators=3)
+def all_reduce_until_rank_1_is_killed():
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for step in range(1000):
+        dist.all_reduce(torch.ones(1000))
+        if step == 20 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_rank_killed_mid_collective_is_the_root_cause_not_its_peers_connection_errors():
+    """Its peers' all-reduce fails with "connection reset by peer" at once, and their reports
+    can reach the supervisor before the killed rank's keeper has reported its death."""
+    for _ in range(3):
+        with pytest.raises(fanrun.RankFailedError, match=r"^Rank 1 of 3 \(pid \d+\) was killed by SIGKILL") as caught:
+            all_reduce_until_rank_1_is_killed.distributed()
+        assert caught.value.rank == 1
+
+
 def test_a_rank_that_closed_stderr_and_raised_gets_its_exception_back():
     """A rank that closed fd 2 and then raised: the caller still gets its exception and
     traceback, which travel in the error file, not through stderr."""

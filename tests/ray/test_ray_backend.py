@@ -1,5 +1,5 @@
 """@distributed(nodes=...) on a real Ray cluster of two nodes (conftest.py): results and every rank's
-environment, a rank failing on node 1, a node lost mid-call, the caller killed, a cluster too
+environment, a rank failing on node 1 and one killed there, a node lost mid-call, the caller killed, a cluster too
 small, a timeout on every node, metrics from every node, and ray_init."""
 
 from __future__ import annotations
@@ -102,6 +102,30 @@ def test_a_rank_failing_on_node_1_raises_its_own_exception_within_a_second_and_s
     log_path = note.split("full log: ")[1].strip()
     with open(log_path) as log:
         assert "ValueError: raised at" in log.read()
+
+
+@on_two_nodes()
+def all_reduce_until_rank_2_is_killed():
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for step in range(1000):
+        dist.all_reduce(torch.ones(1000))
+        if step == 20 and dist.get_rank() == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_rank_killed_on_node_1_is_the_root_cause_not_its_peers_broken_collectives(cluster):
+    # Its peers on node 0 fail at once with "connection reset by peer", and their news can reach
+    # the caller before node 1's word of the death.
+    with pytest.raises(fanrun.RankFailedError) as info:
+        all_reduce_until_rank_2_is_killed.distributed()
+    assert info.value.rank == 2 and info.value.signal_name == "SIGKILL", str(info.value)
+    assert str(info.value).startswith("Rank 2 of 4 (pid"), str(info.value)
 
 
 @fanrun.distributed(num_accelerators=6, nodes=3, accelerator_type="CPU")

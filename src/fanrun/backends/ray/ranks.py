@@ -11,7 +11,9 @@ import dataclasses
 import os
 import queue
 import select
+import signal
 import threading
+import time
 
 from ... import _core
 from ..._errors import NodeLostError
@@ -22,6 +24,11 @@ from .metric_link import MetricLink
 
 # How long closing waits for the threads that follow the killed agents.
 FOLLOWER_STOP_S = 10.0
+# As within a node (the engine's supervisor): a rank killed by a signal that no supervisor sent
+# (the OOM killer's SIGKILL, a SIGSEGV), seen this soon after a rank on another node failed, is
+# the root cause, since its peers' collectives fail the moment its connections drop. The
+# supervisors' own SIGKILL comes KILL_GRACE_S after their SIGTERM, well outside this.
+PEER_FAILURE_WINDOW_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +57,7 @@ class RayRanks:
         self.world_size = len(nodes) * ranks_per_node
         self.stop_reason = _core.StopReason.NONE
         self.first_failed_rank = -1
+        self._first_failure_at = 0.0
         self.ranks_running_at_timeout: list[int] = []
         self.failure: BaseException | None = None
         self._exits: dict[int, tuple[int, int] | None] = {}
@@ -182,6 +190,10 @@ class RayRanks:
             kind, rank = event[0], event[1]
             if kind == _core.EventKind.RANK_EXITED:
                 self._exits[rank] = event[5]
+                if event[5] != (0, 0):  # as its node's supervisor counts it: a failure
+                    self._first_failure(node, rank)
+                if self._killed_from_outside_just_after_the_first_failure(rank, event[5]):
+                    self.first_failed_rank = rank
             elif kind == _core.EventKind.RANK_FAILED:
                 self._first_failure(node, rank)
             elif kind == _core.EventKind.TIMED_OUT:
@@ -210,7 +222,14 @@ class RayRanks:
             return
         self.stop_reason = _core.StopReason.RANK_FAILED
         self.first_failed_rank = rank
+        self._first_failure_at = time.monotonic()
         self._tell_others("cancel", stopped=node)
+
+    def _killed_from_outside_just_after_the_first_failure(self, rank: int, status: tuple[int, int]) -> bool:
+        signo = status[1]
+        return (self.stop_reason == _core.StopReason.RANK_FAILED and self.failure is None
+                and rank != self.first_failed_rank and signo not in (0, signal.SIGTERM)
+                and time.monotonic() - self._first_failure_at <= PEER_FAILURE_WINDOW_S)
 
     def _tell_others(self, command: str, stopped: int | None) -> None:
         for node, agent in enumerate(self._agents):
