@@ -107,6 +107,27 @@ def cuda_live_in_caller() -> str:
     return f"returned {losses}"
 
 
+def warm_calls() -> str:
+    # Spares are started by exec, never forked from this caller, so CUDA live here is no
+    # obstacle; each call's ranks are the spares the call before left, their imports done.
+    held = torch.ones(1024, 1024, device="cuda") if ON_GPU else None
+    warm = distributed(warm=True)(train_and_maybe_fail.__wrapped__)
+    times, cold = [], distributed(warm=False)(train_and_maybe_fail.__wrapped__)
+    started = time.monotonic()
+    cold.distributed("none", steps=50)
+    cold_s = time.monotonic() - started
+    fanrun.warmup(wait=True)
+    for _ in range(3):
+        started = time.monotonic()
+        losses = warm.distributed("none", steps=50)
+        times.append(time.monotonic() - started)
+        fanrun.warmup(wait=True)  # the spares this call left, their imports done, as between two cells
+    fanrun.cooldown()
+    del held
+    return (f"cold call {cold_s:.2f} s, then 3 warm calls in {', '.join(f'{t:.2f}' for t in times)} s; "
+            f"last losses {[round(loss, 4) for loss in losses]}")
+
+
 def failing(mode: str, rank: int, expected: type, steps: int):
     def body() -> str:
         try:
@@ -155,6 +176,7 @@ def main() -> None:
     scenario(f"DDP demo, @distributed() on every {'GPU' if ON_GPU else 'CPU process'} with {backend}", ddp_demo)
     if ON_GPU:
         scenario("caller initialised CUDA first", cuda_live_in_caller)
+    scenario(f"warm calls{' from a caller with CUDA live' if ON_GPU else ''}", warm_calls)
     scenario(f"rank {args.raise_rank} raises mid-training", failing("raise", args.raise_rank, RuntimeError, steps))
     scenario(f"rank {args.kill_rank} is SIGKILLed mid-training",
              failing("sigkill", args.kill_rank, fanrun.RankFailedError, steps))

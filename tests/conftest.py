@@ -1,5 +1,5 @@
 """Shared fixtures: a private runs directory for the session, and proof after every test
-that no process of any run it started is left (but the session's one tracking agent, which
+that no process of any run it started is left, nor any spare rank (but the session's one tracking agent, which
 lives as long as its caller and is stopped, and proved gone, when the session ends)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from processes import processes_of_runs_under, tracking_agents_of  # noqa: E402
+from processes import processes_of_runs_under, processes_with_environment, tracking_agents_of  # noqa: E402
 
 # A test run started in the background (`make test &`) inherits SIGINT ignored, and so would
 # every caller a test starts: Python then never raises KeyboardInterrupt there, and the Ctrl+C
@@ -49,6 +49,7 @@ def no_process_left_behind():
     yield
     agent = fanrun._tracking.agent_connection.agent_pid()
     left = processes_of_runs_under(_RUNS) + [found for found in tracking_agents_of(os.getpid()) if found[0] != agent]
+    left += processes_with_environment(f"FANRUN_SPARE_OF={os.getpid()}".encode())  # spare ranks (_launch/spares.py)
     assert not left, f"processes of fanrun runs are still alive after the test: {left}"
 
 

@@ -23,9 +23,10 @@ SMOKE_RUNS = {
     # make test-python installs nginx, so the HTTP rows run too.
     "data.py": ([], ["method ", "volume, cold disk", "webdataset", "streaming", "volume (http, cold)",
                      "webdataset (http, cold)", "Goals"]),
-    "gpu_checks.py": ([], ["== DDP demo", "== rank 1 raises mid-training: RuntimeError",
+    "gpu_checks.py": ([], ["== DDP demo", "== warm calls: cold call", "== rank 1 raises mid-training: RuntimeError",
                            "is SIGKILLed mid-training: RankFailedError", "hangs, rank 0 waits in gloo (timeout=10 s): TimeoutError"]),
     "launch.py": ([], ["Launch wall time", "tracked/fanrun", "fanrun/mp.spawn", "fanrun/torchrun", "fanrun/notebook_launcher",
+                       "warm/notebook_launcher", "warm launch wall time at most 2x notebook_launcher's on CPUs",
                        "Failure latency", "Goals", "launch wall time with tracking (the default) within 5% or 0.2 s of without",
                        "failure latency with tracking (the default) within 0.05 s of without", "Leftover processes:\n  none"]),
     "loader_transfer.py": ([], ["bytes/batch", "CPU ratio", "1048576"]),

@@ -1257,12 +1257,13 @@ print("at return", runs[0].info.status if runs else "not made yet", flush=True)
 
 
 def test_a_script_that_ends_right_after_a_call_leaves_its_run_closed(server, tmp_path):
-    """The call returns before its run is closed (the store takes 3 s to close it; the run may
-    not even exist yet), and the script's exit waits for the close: once the script has ended,
-    the run is FINISHED and its agent is gone."""
+    """The call returns before its run is closed (the store takes 8 s to close it, long enough
+    for the script's own look at the run on a loaded machine; the run may not even exist yet),
+    and the script's exit waits for the close: once the script has ended, the run is FINISHED
+    and its agent is gone."""
     client = MlflowClient(server.url)
     experiment_id = client.create_experiment(f"fanrun-test-{uuid.uuid4().hex[:8]}")
-    proxy = SlowProxy(server.url, {RUN_UPDATE: 3.0})
+    proxy = SlowProxy(server.url, {RUN_UPDATE: 8.0})
     try:
         env = caller_env(tmp_path, MLFLOW_TRACKING_URI=proxy.url, MLFLOW_EXPERIMENT_ID=experiment_id)
         caller = subprocess.Popen([sys.executable, "-c", CALLER_EXITS_AT_ONCE.format(server=server.url, experiment_id=experiment_id)],

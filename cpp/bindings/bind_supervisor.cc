@@ -1,4 +1,5 @@
-// Python access to the Supervisor: start a run, pump its events, stop it.
+// Python access to the Supervisor: start a run, pump its events, stop it; and to spare ranks,
+// started ahead of a call.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -10,6 +11,7 @@
 
 #include "call_without_gil.h"
 #include "fanrun/run_contract.h"
+#include "fanrun/spare_rank.h"
 #include "fanrun/supervisor.h"
 #include "status_to_python.h"
 
@@ -25,6 +27,26 @@ using WaitTuple = std::tuple<std::vector<EventTuple>, bool, bool>;  // (events, 
 
 ExitTuple ExitToPython(const ExitStatus& exit) { return {exit.exit_code, exit.term_signal}; }
 
+// A spare rank as Python holds it: empty once a supervisor has taken it.
+struct PySpareRank {
+  std::optional<SpareRank> spare;
+
+  SpareRank& get() {
+    if (!spare) ThrowIfError(Status::Invalid("This spare rank has been handed a call already"));
+    return *spare;
+  }
+};
+
+PySpareRank StartSpare(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                       const std::string& cwd, const std::string& keeper) {
+  SpawnOptions spawn;
+  spawn.argv = argv;
+  spawn.env = env;
+  spawn.cwd = cwd;
+  // Released: spares start in a thread of their own while the caller's code goes on.
+  return PySpareRank{CallWithoutGil([&] { return SpareRank::Start(keeper, std::move(spawn)); })};
+}
+
 std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::string>>& argvs,
                                             const std::vector<std::vector<std::string>>& envs,
                                             const std::string& cwd,
@@ -32,7 +54,7 @@ std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::s
                                             double kill_grace_s, int stack_dump_signal,
                                             double stack_dump_wait_s, int wakeup_fd,
                                             bool control_channel, bool expect_done,
-                                            const std::string& keeper) {
+                                            const std::string& keeper, const std::vector<PySpareRank*>& spares) {
   if (argvs.size() != envs.size() || argvs.size() != log_paths.size()) {
     ThrowIfError(Status::Invalid("argvs, envs and log_paths must have one entry per rank"));
   }
@@ -53,7 +75,12 @@ std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::s
   options.control_channel = control_channel;
   options.expect_done = expect_done;
   options.keeper_path = keeper;
-  return ValueOrThrow(Supervisor::Start(std::move(options)));
+  std::vector<SpareRank> taken;
+  for (PySpareRank* spare : spares) {
+    taken.push_back(std::move(spare->get()));
+    spare->spare.reset();
+  }
+  return ValueOrThrow(Supervisor::Start(std::move(options), std::move(taken)));
 }
 
 WaitTuple Wait(Supervisor& supervisor, double max_wait_s) {
@@ -75,6 +102,8 @@ void BindSupervisor(nb::module_& m) {
   m.attr("CONTROL_FAILED") = std::string(kControlFailed);
   m.attr("CONTROL_DONE") = std::string(kControlDone);
   m.attr("CONTROL_LOG") = std::string(kControlLog);
+  m.attr("SPARE_CALL") = std::string(kSpareCall);
+  m.attr("SPARE_READY") = std::string(kSpareReady);
   nb::enum_<EventKind>(m, "EventKind", "What Supervisor.wait reports.")
       .value("OUTPUT", EventKind::kOutput, "A piece of a rank's output: (stream, segment, text).")
       .value("RANK_FAILED", EventKind::kRankFailed, "A rank reported its failure on its control channel.")
@@ -92,11 +121,28 @@ void BindSupervisor(nb::module_& m) {
       .value("TIMEOUT", StopReason::kTimeout, "The timeout struck: Supervisor.ranks_running_at_timeout.")
       .value("CANCELLED", StopReason::kCancelled, "Supervisor.cancel() was called.");
 
+  nb::class_<PySpareRank>(m, "SpareRank",
+                           "A rank started ahead of its call, under a keeper, its output on /dev/null;\n"
+                           "Supervisor.start(spares=...) hands it its call (spare_rank.h).")
+      .def_static("start", &StartSpare, nb::arg("argv"), nb::arg("env"), nb::arg("cwd"), nb::arg("keeper"))
+      .def_prop_ro("pid", [](PySpareRank& s) { return s.get().pid(); })
+      .def("waiting", [](PySpareRank& s) { return s.spare && s.spare->waiting(); },
+           "False once it has been handed a call, or its program has ended.")
+      .def(
+          "wait_ready",
+          [](PySpareRank& s, double timeout_s) {
+            SpareRank& spare = s.get();
+            return CallWithoutGil([&] { return spare.WaitReady(timeout_s); });
+          },
+          nb::arg("timeout_s"), "Whether its imports are done, waiting up to timeout_s for them.");
+
   nb::class_<Supervisor>(m, "Supervisor")
       .def_static("start", &StartSupervisor, nb::arg("argvs"), nb::arg("envs"), nb::arg("cwd"),
                   nb::arg("log_paths"), nb::arg("timeout_s"), nb::arg("kill_grace_s"),
                   nb::arg("stack_dump_signal"), nb::arg("stack_dump_wait_s"), nb::arg("wakeup_fd"),
-                  nb::arg("control_channel"), nb::arg("expect_done"), nb::arg("keeper"))
+                  nb::arg("control_channel"), nb::arg("expect_done"), nb::arg("keeper"),
+                  nb::arg("spares") = std::vector<PySpareRank*>{},
+                  "Rank i < len(spares) is spares[i], handed its call; each spare is spent, whatever happens.")
       .def("wait", &Wait, nb::arg("max_wait_s") = -1.0,
            "(events, interrupted, done); an event is (kind, rank, stream, segment, text, (exit code, signal)),\n"
            "stream 1 for stdout and 2 for stderr. With max_wait_s >= 0 it returns after that long at the\n"

@@ -38,8 +38,12 @@ std::chrono::steady_clock::duration Seconds(double s) {
 
 Supervisor::Supervisor(SupervisorOptions options) : options_(std::move(options)) {}
 
-Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options) {
+Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options, std::vector<SpareRank> spares) {
   if (options.ranks.empty()) return Status::Invalid("A run needs at least one rank");
+  if (spares.size() > options.ranks.size()) return Status::Invalid("More spare ranks than ranks");
+  if (!spares.empty() && !options.control_channel) {
+    return Status::Invalid("Spare ranks are handed their calls over the control channel");
+  }
   for (double seconds :
        {options.timeout_s, options.kill_grace_s, options.stack_dump_wait_s, options.show_held_after_s}) {
     if (!std::isfinite(seconds) || seconds > kLongestPeriodS) {
@@ -57,7 +61,9 @@ Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options)
   std::unique_ptr<Supervisor> supervisor(new Supervisor(std::move(options)));
   supervisor->ranks_.resize(supervisor->options_.ranks.size());
   for (size_t i = 0; i < supervisor->ranks_.size(); ++i) {
-    Status st = supervisor->SpawnRank(i);
+    std::optional<SpareRank> spare;
+    if (i < spares.size()) spare.emplace(std::move(spares[i]));
+    Status st = supervisor->SpawnRank(i, std::move(spare));
     // Returning drops the supervisor, whose destructor kills the ranks already started.
     if (!st.ok()) return Status(st.code(), internal::StrCat("Rank ", i, " could not start: ", st.message()));
   }
@@ -67,7 +73,7 @@ Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options)
   return supervisor;
 }
 
-Status Supervisor::SpawnRank(size_t index) {
+Status Supervisor::SpawnRank(size_t index, std::optional<SpareRank> spare) {
   Rank& rank = ranks_[index];
   const RankOptions& launch = options_.ranks[index];
   rank.log_path = launch.log_path;
@@ -75,16 +81,22 @@ Status Supervisor::SpawnRank(size_t index) {
   FANRUN_ASSIGN_OR_RETURN(Pipe out, MakePipe());
   FANRUN_ASSIGN_OR_RETURN(Pipe err, MakePipe());
   Pipe control;
-  if (options_.control_channel) {
-    FANRUN_ASSIGN_OR_RETURN(control, MakePipe());
+  if (spare) {
+    FANRUN_ASSIGN_OR_RETURN(auto became, std::move(*spare).Become(launch.spawn, out.write.fd(), err.write.fd()));
+    rank.process.emplace(std::move(became.first));
+    control.read = std::move(became.second);  // the spare's socket, read as a cold rank's pipe is
+  } else {
+    if (options_.control_channel) {
+      FANRUN_ASSIGN_OR_RETURN(control, MakePipe());
+    }
+    SpawnOptions spawn = launch.spawn;
+    spawn.stdout_fd = out.write.fd();
+    spawn.stderr_fd = err.write.fd();
+    spawn.control_fd = control.write.fd();
+    FANRUN_ASSIGN_OR_RETURN(KeptProcess child, KeptProcess::Start(options_.keeper_path, spawn));
+    rank.process.emplace(std::move(child));
   }
-  SpawnOptions spawn = launch.spawn;
-  spawn.stdout_fd = out.write.fd();
-  spawn.stderr_fd = err.write.fd();
-  spawn.control_fd = control.write.fd();
-  FANRUN_ASSIGN_OR_RETURN(KeptProcess child, KeptProcess::Start(options_.keeper_path, spawn));
-  rank.pid = child.pid();
-  rank.process.emplace(std::move(child));
+  rank.pid = rank.process->pid();
   // Only the child holds the write ends now, so its exit ends our reads.
   FANRUN_RETURN_NOT_OK(out.write.Close());
   FANRUN_RETURN_NOT_OK(err.write.Close());

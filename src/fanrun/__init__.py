@@ -35,6 +35,8 @@ _CALL_MACHINERY = {
     "DistributedFunction": "_decorator",
     "TorchDistributor": "_torch_distributor",
     "flush_tracking": "_tracking.caller",
+    "warmup": "_warmup",
+    "cooldown": "_warmup",
     # Ray is imported by these alone, when they are called.
     "ray_init": "backends.ray.connect",
     "ray_shutdown": "backends.ray.connect",
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from ._decorator import distributed as distributed
     from ._torch_distributor import TorchDistributor as TorchDistributor
     from ._tracking.caller import flush_tracking as flush_tracking
+    from ._warmup import cooldown as cooldown
+    from ._warmup import warmup as warmup
     from .backends.ray.connect import ray_init as ray_init
     from .backends.ray.connect import ray_shutdown as ray_shutdown
 

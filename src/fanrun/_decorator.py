@@ -11,7 +11,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 from . import _accelerators, _errors, _payload
 from ._tracking import caller as call_tracking
-from ._launch import preflight, program, run
+from ._launch import preflight, program, run, spares
 from ._launch.paths import RunPaths
 from ._accelerators import AcceleratorRequest
 
@@ -36,6 +36,8 @@ class Options:
     nodes: int | None = None
     backend: str | None = None
     placement_timeout: float = 60.0
+    # Ranks from spares started ahead (_launch/spares.py): None follows FANRUN_WARM and fanrun.warmup().
+    warm: bool | None = None
 
 
 class DistributedFunction(Generic[R]):
@@ -91,6 +93,7 @@ class DistributedFunction(Generic[R]):
                     payload=payload,
                     extra_env=tracked.rank_env,
                     paths=paths,
+                    warm=spares.warm(options.warm),
                 )
 
     def __repr__(self) -> str:
@@ -111,6 +114,7 @@ def distributed(
     nodes: int | None = None,
     backend: str | None = None,
     placement_timeout: float = 60.0,
+    warm: bool | None = None,
 ):
     """Decorates a function so that `fn.distributed(*args, **kwargs)` runs it on every
     accelerator of this machine (CPU processes where there is none).
@@ -127,6 +131,11 @@ def distributed(
     Ray cluster this process is connected to (fanrun.ray_init()), ``num_accelerators / M`` on
     each. ``backend="ray"`` runs through Ray even on one node, ``backend="local"`` never does.
     A cluster that cannot fit the call within ``placement_timeout`` seconds is an error.
+
+    ``warm=True`` takes the ranks from spare interpreters started ahead, with torch and the
+    like already imported, and leaves as many for the next call; ``warm=False`` starts them
+    fresh. The default follows ``FANRUN_WARM`` (1 or 0), else whether ``fanrun.warmup()``
+    was called.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, numbers.Number):
         return distributed()(num_accelerators)  # bare @distributed
@@ -137,6 +146,8 @@ def distributed(
         num_accelerators = gpus
     if not isinstance(remote, bool):
         raise TypeError(f"remote must be True or False, not {type(remote).__name__}")
+    if warm is not None and not isinstance(warm, bool):
+        raise TypeError(f"warm must be True, False or None, not {type(warm).__name__} ({warm!r})")
     if remote:
         # serverless_gpu's remote=True sends the call to a managed GPU pool; fanrun has none.
         raise ValueError(
@@ -154,6 +165,7 @@ def distributed(
         timeout=_check_timeout(timeout),
         **_check_tracking(experiment_name, run_id, tracking),
         **_check_cluster(nodes, backend, placement_timeout, num_accelerators),
+        warm=warm,
     )
 
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:

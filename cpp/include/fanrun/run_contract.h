@@ -20,6 +20,14 @@ inline constexpr std::string_view kControlDone = "done";
 // log alone, after what its pipes hold: the traceback of its failure, which the caller shows
 // with its exception, so that it is not shown twice.
 inline constexpr std::string_view kControlLog = "log ";
+// The other way, to a spare rank (spare_rank.h), whose control channel is a socket: the call it
+// becomes. This word, the body's length in decimal and a newline, with the rank's stdout and
+// stderr attached (SCM_RIGHTS); then the body: its directory, the count of its argv, its argv and
+// its environment, each string ended by a NUL.
+inline constexpr std::string_view kSpareCall = "call ";
+// A spare rank's one line before its call: its imports are done. (A supervisor that reads it
+// after the handover drops it, as any line that is none of the above.)
+inline constexpr std::string_view kSpareReady = "ready";
 
 // What a piece of a rank's output is.
 enum class SegmentKind {

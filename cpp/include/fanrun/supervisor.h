@@ -14,6 +14,7 @@
 #include "fanrun/line_splitter.h"
 #include "fanrun/process.h"
 #include "fanrun/run_contract.h"
+#include "fanrun/spare_rank.h"
 #include "fanrun/status.h"
 
 namespace fanrun {
@@ -65,8 +66,9 @@ struct WaitResult {
 
 class Supervisor {
  public:
-  // Spawns every rank. When one cannot start, those already started are killed.
-  static Result<std::unique_ptr<Supervisor>> Start(SupervisorOptions options);
+  // Spawns every rank; rank i < spares.size() is spares[i], handed its call instead (each
+  // RankOptions' spawn but its executable). When one cannot start, those already started are killed.
+  static Result<std::unique_ptr<Supervisor>> Start(SupervisorOptions options, std::vector<SpareRank> spares = {});
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
   // Ranks still running are killed, with every process they started, and reaped.
@@ -116,7 +118,7 @@ class Supervisor {
   };
 
   explicit Supervisor(SupervisorOptions options);
-  Status SpawnRank(size_t index);
+  Status SpawnRank(size_t index, std::optional<SpareRank> spare);
 
   // Reads once from a ready output stream; on end of stream finishes and closes it.
   void PumpStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);

@@ -33,6 +33,7 @@ def run(
     payload: bytes | None = None,
     extra_env: Mapping[str, str] | None = None,
     paths: RunPaths | None = None,
+    warm: bool = False,
 ) -> list[object]:
     """Runs `program` on every rank of `plan`; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
@@ -40,7 +41,8 @@ def run(
     `extra_env` is set in every rank on top of the caller's environment (fanrun's own
     variables still win). `paths` is the run's directory where the caller made it already
     (tracking reads the logs there afterwards), and stays the caller's to close; without it,
-    the run makes its own once the plan has passed its checks."""
+    the run makes its own once the plan has passed its checks. `warm`: the ranks may be spares
+    started ahead of the call (_launch/spares.py)."""
     preflight(plan)
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -48,8 +50,8 @@ def run(
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
     if paths is None:
         with RunPaths.create(name) as own_paths:
-            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env)
-    return _run_in(paths, name, plan, program, timeout, payload, extra_env)
+            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm)
+    return _run_in(paths, name, plan, program, timeout, payload, extra_env, warm)
 
 
 def _run_in(
@@ -60,6 +62,7 @@ def _run_in(
     timeout: float | None,
     payload: bytes | None,
     extra_env: Mapping[str, str] | None,
+    warm: bool,
 ) -> list[object]:
     ranks: Ranks | None = None
     try:
@@ -69,7 +72,7 @@ def _run_in(
         with SignalWakeup() as wakeup:
             launch = Launch(program=program, paths=paths, env={**os.environ, **(extra_env or {})}, timeout=timeout,
                             # A function's rank that ends without its result or its error has failed.
-                            expect_done=payload is not None, wakeup_fd=wakeup.read_fd)
+                            expect_done=payload is not None, wakeup_fd=wakeup.read_fd, warm=warm)
             ranks = backends.for_plan(plan).start(plan, launch)
             timeout_report = TimeoutReport(python=program.python)
             try:

@@ -37,6 +37,7 @@ ENV_CONTROL_FD = "FANRUN_CONTROL_FD"  # CONTROL_FD, where the engine gave the ra
 ENV_ACCELERATOR = "FANRUN_ACCELERATOR"  # "gpu" or "cpu"
 ENV_NODE_ID = "FANRUN_NODE_ID"  # the cluster's id of the rank's node (Ray's node id); unset on one machine
 ENV_TRACKING = "FANRUN_MLFLOW"  # what the rank's MLflow does (_rank/tracking.py); unset outside @distributed
+ENV_SPARE = "FANRUN_SPARE_OF"  # in a spare rank's first environment: the pid of the caller it waits for
 
 # The control channel: a pipe at this descriptor in every rank, one message a line.
 CONTROL_FD = 3
@@ -47,3 +48,10 @@ CONTROL_DONE = "done"
 # Followed by the length in decimal and a newline, then that many bytes, which go to the rank's
 # log alone: the traceback of its failure, which the caller shows with its exception.
 CONTROL_LOG = "log "
+# The other way, to a spare rank (_rank/spare.py), whose control channel is a socket: the call it
+# becomes. This word, the body's length in decimal and a newline, with the rank's stdout and
+# stderr attached (SCM_RIGHTS); then the body: its directory, the count of its argv, its argv and
+# its environment, each string ended by a NUL.
+SPARE_CALL = "call "
+# A spare rank's one line before its call: its imports are done.
+SPARE_READY = "ready"

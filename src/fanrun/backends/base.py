@@ -33,6 +33,7 @@ class Launch:
     timeout: float | None
     expect_done: bool  # a function's ranks report "done" once their result is written
     wakeup_fd: int  # a descriptor that a signal makes readable: wait() then returns "interrupted"
+    warm: bool = False  # ranks may be spare ones, started ahead (_launch/spares.py), where the backend has them
 
 
 class Ranks(Protocol):

@@ -1,6 +1,7 @@
 """The local backend: every rank on this machine, started and supervised by the engine
 (cpp/include/fanrun/supervisor.h), each under a keeper of its own, with a rendezvous on 127.0.0.1
-that the caller holds for the run."""
+that the caller holds for the run. A warm call's ranks are spares where there are some
+(_launch/spares.py), and it leaves as many spares for the next call."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 
 from .. import _core
 from .._accelerators import Plan
+from .._launch import spares as spare_ranks
 from .._launch.rendezvous import Rendezvous
 from .._rank.worker import STACK_DUMP_SIGNAL
 from . import stack_dump
 from .base import KILL_GRACE_S, STACK_DUMP_WAIT_S, Launch
-from .rank_env import NodeLayout, flatten, rank_environment
+from .rank_env import RANK_DEFAULTS, NodeLayout, flatten, rank_environment
 
 # Each rank runs under a keeper of its own, which ends every process the rank started when the
 # rank ends or the caller dies (cpp/include/fanrun/kept_process.h).
@@ -31,32 +33,48 @@ class LocalBackend:
                 for rank in range(plan.world_size)
             ]
             rendezvous.release_port_for_ranks()
-            supervisor = _core.Supervisor.start(
-                argvs=[launch.program.argv] * plan.world_size,
-                envs=envs,
-                cwd=os.getcwd(),
-                log_paths=[str(launch.paths.log(r)) for r in range(plan.world_size)],
-                timeout_s=float(launch.timeout) if launch.timeout is not None else 0.0,
-                kill_grace_s=KILL_GRACE_S,
-                stack_dump_signal=int(STACK_DUMP_SIGNAL) if launch.program.python else 0,
-                stack_dump_wait_s=STACK_DUMP_WAIT_S,
-                wakeup_fd=launch.wakeup_fd,
-                control_channel=True,
-                expect_done=launch.expect_done,
-                keeper=KEEPER,
-            )
+            warm = launch.warm and launch.program.python
+            spares = spare_ranks.POOL.take(plan.world_size) if warm else []
+
+            def start(spares: list):
+                return _core.Supervisor.start(
+                    argvs=[launch.program.argv] * plan.world_size,
+                    envs=envs,
+                    cwd=os.getcwd(),
+                    log_paths=[str(launch.paths.log(r)) for r in range(plan.world_size)],
+                    timeout_s=float(launch.timeout) if launch.timeout is not None else 0.0,
+                    kill_grace_s=KILL_GRACE_S,
+                    stack_dump_signal=int(STACK_DUMP_SIGNAL) if launch.program.python else 0,
+                    stack_dump_wait_s=STACK_DUMP_WAIT_S,
+                    wakeup_fd=launch.wakeup_fd,
+                    control_channel=True,
+                    expect_done=launch.expect_done,
+                    keeper=KEEPER,
+                    spares=spares,
+                )
+
+            try:
+                supervisor = start(spares)
+            except Exception:
+                if not spares:
+                    raise
+                # A spare ended between its check and its call (killed from outside): the call
+                # starts cold, and what a cold start cannot do is the error.
+                spare_ranks.POOL.drop()
+                supervisor = start([])
         except BaseException:
             rendezvous.close()
             raise
-        return LocalRanks(supervisor, rendezvous)
+        return LocalRanks(supervisor, rendezvous, refill=plan.world_size if warm else 0)
 
 
 class LocalRanks:
     """The engine's supervisor of this machine's ranks, and the rendezvous they meet at."""
 
-    def __init__(self, supervisor, rendezvous: Rendezvous) -> None:
+    def __init__(self, supervisor, rendezvous: Rendezvous, refill: int) -> None:
         self._supervisor = supervisor
         self._rendezvous = rendezvous
+        self._refill = refill
         self.world_size = supervisor.world_size
         self.failure = None  # every end of a local run is a rank's
 
@@ -95,3 +113,6 @@ class LocalRanks:
 
     def close(self) -> None:
         self._rendezvous.close()
+        if self._refill:
+            # The next call's ranks start importing now, while this call's caller reads its results.
+            spare_ranks.POOL.fill_soon(self._refill, KEEPER, RANK_DEFAULTS)

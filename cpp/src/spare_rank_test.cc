@@ -1,0 +1,181 @@
+// Tests of spare ranks: handed a call, a spare runs as that rank, supervised like a cold one.
+#include "fanrun/spare_rank.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "fanrun/supervisor.h"
+#include "test_util_internal.h"
+
+namespace fanrun {
+namespace {
+
+using testing::MinimalEnv;
+using testing::ProcessGoneWithin;
+using testing::ShellCommand;
+
+// A spare as small as can be: it says it is ready after 0.3 s of "imports", takes its call off
+// descriptor 3 (run_contract.h), places the descriptors that came with it at 1 and 2, and
+// executes the call's argv.
+constexpr const char* kSpareProgram = R"(
+import os, socket, time
+time.sleep(0.3)
+os.write(3, b"ready\n")
+channel = socket.socket(fileno=3)
+data, fds, _, _ = socket.recv_fds(channel, 65536, 2)
+head, _, body = data.partition(b"\n")
+assert head.startswith(b"call ")
+while len(body) < int(head[5:]):
+    body += channel.recv(65536)
+channel.detach()
+fields = body.split(b"\0")[:-1]
+count = int(fields[1])
+argv, env = fields[2:2 + count], fields[2 + count:]
+os.dup2(fds[0], 1)
+os.dup2(fds[1], 2)
+os.chdir(fields[0])
+os.execve(argv[0], argv, dict(entry.split(b"=", 1) for entry in env))
+)";
+
+class SpareRankTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::MakeTempDir("fanrun-spare-rank-test");
+    ASSERT_FALSE(dir_.empty());
+  }
+  void TearDown() override { ASSERT_TRUE(testing::RemoveTree(dir_)); }
+
+  static Result<SpareRank> StartSpare() {
+    SpawnOptions spawn;
+    spawn.argv = {"python3", "-c", kSpareProgram};
+    spawn.env = MinimalEnv();
+    return SpareRank::Start(testing::KeeperPath(), spawn);
+  }
+
+  SupervisorOptions Options(const std::vector<std::string>& scripts) {
+    SupervisorOptions options;
+    for (size_t i = 0; i < scripts.size(); ++i) {
+      RankOptions rank;
+      rank.spawn.argv = ShellCommand(scripts[i]);
+      rank.spawn.env = MinimalEnv();
+      rank.spawn.env.push_back("RANK=" + std::to_string(i));
+      rank.spawn.cwd = dir_;
+      rank.log_path = dir_ + "/rank_" + std::to_string(i) + ".log";
+      options.ranks.push_back(rank);
+    }
+    options.keeper_path = testing::KeeperPath();
+    options.kill_grace_s = 0.5;
+    return options;
+  }
+
+  static std::vector<Event> RunToEnd(Supervisor& supervisor) {
+    std::vector<Event> all;
+    for (;;) {
+      auto batch = supervisor.Wait();
+      EXPECT_TRUE(batch.ok()) << batch.status().message();
+      if (!batch.ok()) return all;
+      for (auto& event : batch->events) all.push_back(std::move(event));
+      if (batch->done) return all;
+    }
+  }
+
+  std::string dir_;
+};
+
+TEST_F(SpareRankTest, BecomesTheRankItIsHandedWithItsOutputDirectoryAndEnvironment) {
+  auto spare = StartSpare();
+  ASSERT_TRUE(spare.ok()) << spare.status().message();
+  const pid_t spare_pid = spare->pid();
+  EXPECT_TRUE(spare->waiting());
+  std::vector<SpareRank> spares;
+  spares.push_back(std::move(spare).ValueOrDie());
+  const std::string script = "echo out$RANK in $(pwd); echo err$RANK >&2";
+  auto supervisor = Supervisor::Start(Options({script, script}), std::move(spares));
+  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+  const auto events = RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->pid(0), spare_pid);
+  EXPECT_NE((*supervisor)->pid(1), spare_pid);
+  std::map<std::pair<int, int>, std::string> lines;
+  for (const auto& e : events) {
+    if (e.kind == EventKind::kOutput) lines[{e.rank, e.stream}] += e.text;
+  }
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(lines[std::make_pair(rank, 1)], "out" + std::to_string(rank) + " in " + dir_);
+    EXPECT_EQ(lines[std::make_pair(rank, 2)], "err" + std::to_string(rank));
+    EXPECT_TRUE((*supervisor)->exit_status(rank)->success());
+  }
+  std::ifstream log(dir_ + "/rank_0.log");
+  std::stringstream text;
+  text << log.rdbuf();
+  EXPECT_NE(text.str().find("out0 in "), std::string::npos);
+}
+
+TEST_F(SpareRankTest, SaysWhenItsImportsAreDone) {
+  auto spare = StartSpare();
+  ASSERT_TRUE(spare.ok()) << spare.status().message();
+  auto early = spare->WaitReady(0.01);
+  ASSERT_TRUE(early.ok());
+  EXPECT_FALSE(*early);
+  auto ready = spare->WaitReady(10);
+  ASSERT_TRUE(ready.ok());
+  EXPECT_TRUE(*ready);
+  auto still = spare->WaitReady(0);
+  ASSERT_TRUE(still.ok());
+  EXPECT_TRUE(*still);
+}
+
+TEST_F(SpareRankTest, ItsControlChannelReportsAFailureAndItIsStoppedLikeAnyRank) {
+  auto spare = StartSpare();
+  ASSERT_TRUE(spare.ok()) << spare.status().message();
+  std::vector<SpareRank> spares;
+  spares.push_back(std::move(spare).ValueOrDie());
+  auto supervisor = Supervisor::Start(Options({"exec sleep 100", "echo failed >&3; exec sleep 100"}), std::move(spares));
+  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);  // the spare, stopped through its keeper
+}
+
+TEST_F(SpareRankTest, ASpareThatHasEndedCannotBeHandedItsCall) {
+  auto spare = StartSpare();
+  ASSERT_TRUE(spare.ok()) << spare.status().message();
+  const pid_t pid = spare->pid();
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  ASSERT_TRUE(ProcessGoneWithin(pid, 5000));  // and with it its end of the control channel
+  std::vector<SpareRank> spares;
+  spares.push_back(std::move(spare).ValueOrDie());
+  auto supervisor = Supervisor::Start(Options({"exec sleep 100"}), std::move(spares));
+  ASSERT_FALSE(supervisor.ok());
+  EXPECT_NE(supervisor.status().message().find("Rank 0 could not start: The spare rank (pid " + std::to_string(pid)),
+            std::string::npos)
+      << supervisor.status().message();
+}
+
+TEST_F(SpareRankTest, ASpareNeverHandedACallEndsWhenDropped) {
+  pid_t pid;
+  {
+    auto spare = StartSpare();
+    ASSERT_TRUE(spare.ok()) << spare.status().message();
+    pid = spare->pid();
+  }
+  EXPECT_TRUE(ProcessGoneWithin(pid, 5000));
+}
+
+TEST_F(SpareRankTest, MoreSparesThanRanksAreRefused) {
+  std::vector<SpareRank> spares;
+  for (int i = 0; i < 2; ++i) {
+    auto spare = StartSpare();
+    ASSERT_TRUE(spare.ok()) << spare.status().message();
+    spares.push_back(std::move(spare).ValueOrDie());
+  }
+  auto supervisor = Supervisor::Start(Options({"true"}), std::move(spares));
+  ASSERT_FALSE(supervisor.ok());
+  EXPECT_EQ(supervisor.status().message(), "More spare ranks than ranks");
+}
+
+}  // namespace
+}  // namespace fanrun

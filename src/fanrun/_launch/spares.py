@@ -1,0 +1,152 @@
+"""Spare ranks: fresh interpreters started ahead of a call, each with the heavy modules the call's
+ranks will import already imported (torch alone takes seconds), waiting to be handed its call
+(cpp/include/fanrun/spare_rank.h, _rank/spare.py). A warm call takes as many as it has ranks,
+and once it is over as many are started for the next one.
+
+Each is started by exec, never forked from the caller, so a caller that has initialised CUDA or
+holds threads is no obstacle, and it never touches a GPU itself. Spares are the caller's
+children under keepers: they die with it. They end after IDLE_TIMEOUT_S unused, and are
+replaced when what they were started with has changed: the interpreter, sys.path, the working
+directory, the environment, or the packages installed on sys.path."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+from .. import _core
+from .._rank import contract
+from .._rank.spare import bootstrap_code
+
+# Imported by every spare when the caller has imported them: the heavy third-party modules of
+# training code, whose import is safe without a GPU. Never the caller's own modules, nor __main__.
+PRELOADABLE = (
+    "torch", "numpy", "scipy", "pandas", "sklearn", "torchvision", "torchaudio", "transformers", "datasets",
+    "tokenizers", "safetensors", "accelerate", "deepspeed", "lightning", "pytorch_lightning", "timm",
+)
+IDLE_TIMEOUT_S = 600.0
+# FANRUN_WARM=1 makes every call warm unless its decorator says warm=False; 0 makes none warm.
+ENV_WARM = "FANRUN_WARM"
+
+
+class SparePool:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spares: list = []
+        self._started_with: tuple | None = None
+        self._idle_timer: threading.Timer | None = None
+        self._filling: threading.Thread | None = None
+        self.preload: tuple[str, ...] = ()  # besides PRELOADABLE's: fanrun.warmup(preload=...)
+        self.warmed_up = False  # fanrun.warmup() was called: calls are warm unless told otherwise
+
+    def take(self, count: int) -> list:
+        """Up to `count` spares that still wait, started as this process would start them now."""
+        self._wait_for_filling()
+        with self._lock:
+            if self._started_with != _starting_point():
+                self._drop_locked()
+                return []
+            waiting = [spare for spare in self._spares if spare.waiting()]
+            taken, self._spares = waiting[:count], waiting[count:]
+            return taken
+
+    def fill_soon(self, count: int, keeper: str, rank_defaults: dict[str, str]) -> None:
+        """fill() in a thread of its own, so that the call that asks for it returns at once. (A
+        keeper's parent-death signal comes when the thread that started it ends, too; the keeper
+        ignores it while its parent process lives, so these spares still end only with the caller.)"""
+        self._wait_for_filling()
+        self._filling = threading.Thread(target=self._fill_quietly, args=(count, keeper, rank_defaults),
+                                         name="fanrun-spares", daemon=True)
+        self._filling.start()
+
+    def _fill_quietly(self, count: int, keeper: str, rank_defaults: dict[str, str]) -> None:
+        try:
+            self.fill(count, keeper, rank_defaults)
+        except Exception:
+            self.drop()  # the next call starts cold, and meets whatever stopped this as its own error
+
+    def _wait_for_filling(self) -> None:
+        filling = self._filling
+        if filling is not None and filling is not threading.current_thread():
+            filling.join()
+
+    def fill(self, count: int, keeper: str, rank_defaults: dict[str, str]) -> None:
+        """Starts spares until `count` wait, replacing any started from another starting point."""
+        starting_point = _starting_point()
+        with self._lock:
+            if self._started_with != starting_point:
+                self._drop_locked()
+                self._started_with = starting_point
+            self._spares = [spare for spare in self._spares if spare.waiting()]
+            if len(self._spares) < count:
+                argv, env = self._spare_command(rank_defaults)
+                for _ in range(count - len(self._spares)):
+                    self._spares.append(_core.SpareRank.start(argv=argv, env=env, cwd=os.getcwd(), keeper=keeper))
+            self._restart_idle_timer_locked()
+
+    def drop(self) -> None:
+        self._wait_for_filling()
+        with self._lock:
+            self._drop_locked()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether every spare's imports are done, waiting up to timeout_s for them."""
+        self._wait_for_filling()
+        with self._lock:
+            spares = list(self._spares)
+        return all(spare.wait_ready(max(0.0, timeout_s)) for spare in spares)
+
+    def pids(self) -> list[int]:
+        self._wait_for_filling()
+        with self._lock:
+            return [spare.pid for spare in self._spares if spare.waiting()]
+
+    def _spare_command(self, rank_defaults: dict[str, str]) -> tuple[list[str], list[str]]:
+        modules = [name for name in PRELOADABLE if name in sys.modules] + [m for m in self.preload if m not in PRELOADABLE]
+        argv = [sys.executable, "-u", "-c", bootstrap_code(), json.dumps(sys.path), ",".join(modules)]
+        # What the ranks' environment will hold where it matters to an import (OMP_NUM_THREADS);
+        # the call brings the whole of it.
+        env = {**rank_defaults, **os.environ, contract.ENV_SPARE: str(os.getpid())}
+        return argv, [f"{key}={value}" for key, value in env.items()]
+
+    def _restart_idle_timer_locked(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = threading.Timer(IDLE_TIMEOUT_S, self.drop)
+        self._idle_timer.daemon = True
+        self._idle_timer.start()
+
+    def _drop_locked(self) -> None:
+        spares, self._spares = self._spares, []
+        self._started_with = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        del spares  # each one's keeper kills it, and is reaped, as it is dropped
+
+
+def _starting_point() -> tuple:
+    """What a spare's imports depend on. A package installed or removed changes its directory's
+    modification time."""
+    stamps = []
+    for entry in sys.path:
+        try:
+            stamps.append(os.stat(entry or ".").st_mtime_ns)
+        except OSError:
+            stamps.append(None)
+    return sys.executable, tuple(sys.path), tuple(stamps), os.getcwd(), tuple(sorted(os.environ.items()))
+
+
+def warm(option: bool | None) -> bool:
+    """Whether a call with @distributed(warm=option) uses spares."""
+    if option is not None:
+        return option
+    setting = os.environ.get(ENV_WARM, "")
+    if setting:
+        return setting != "0"
+    return POOL.warmed_up
+
+
+POOL = SparePool()

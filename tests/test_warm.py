@@ -1,0 +1,179 @@
+"""Warm calls: ranks taken from spare interpreters started ahead (_launch/spares.py), which
+return what cold ranks do, are supervised as they are, and leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import fanrun
+from fanrun import distributed
+from fanrun._launch.spares import POOL
+from fanrun._rank import contract
+from processes import processes_with_environment, wait_gone
+
+
+@pytest.fixture
+def spares():
+    """The pool, emptied at the end: no spare of this process may outlive the test."""
+    yield POOL
+    fanrun.cooldown()
+    assert processes_with_environment(f"{contract.ENV_SPARE}={os.getpid()}".encode()) == []
+
+
+@distributed(num_accelerators=2, warm=True)
+def describe(x):
+    import os
+    import random
+
+    import numpy
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + x)])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+    return {"rank": os.environ["RANK"], "sum": total.item(), "pid": os.getpid(), "cwd": os.getcwd(),
+            "env": os.environ.get("FANRUN_WARM_TEST"), "random": random.random(), "numpy": float(numpy.random.rand())}
+
+
+cold_describe = distributed(num_accelerators=2, warm=False)(describe.__wrapped__)
+
+
+def test_a_warm_call_runs_on_the_spares_and_returns_what_a_cold_one_does(spares, capfd):
+    assert fanrun.warmup(2, wait=True) is True  # torch and numpy, imported here, are imported there
+    waiting = spares.pids()
+    assert len(waiting) == 2
+    warm = describe.distributed(3)
+    cold = cold_describe.distributed(3)
+    assert sorted(r["pid"] for r in warm) == sorted(waiting)
+    for warm_rank, cold_rank in zip(warm, cold, strict=True):
+        assert {k: warm_rank[k] for k in ("rank", "sum", "cwd", "env")} == {k: cold_rank[k] for k in ("rank", "sum", "cwd", "env")}
+    assert [r["sum"] for r in warm] == [7.0, 7.0]
+    out, _ = capfd.readouterr()
+    assert "[rank0]: hello from rank 0" in out and "[rank1]: hello from rank 1" in out
+    # The next call's spares wait already, and the ones used are gone.
+    assert len(spares.pids()) == 2 and not set(spares.pids()) & set(waiting)
+    assert wait_gone(waiting, timeout=10) == []
+
+
+def test_random_streams_differ_across_ranks_and_calls(spares):
+    fanrun.warmup(2)
+    draws = [(r["random"], r["numpy"]) for _ in range(2) for r in describe.distributed(0)]
+    assert len({d[0] for d in draws}) == 4 and len({d[1] for d in draws}) == 4
+
+
+def test_a_caller_holding_threads_gets_warm_ranks_that_work(spares):
+    stop = threading.Event()
+    busy = [threading.Thread(target=stop.wait) for _ in range(4)]
+    for thread in busy:
+        thread.start()
+    try:
+        fanrun.warmup(2)
+        waiting = spares.pids()
+        results = describe.distributed(1)
+        assert sorted(r["pid"] for r in results) == sorted(waiting)
+        assert [r["sum"] for r in results] == [3.0, 3.0]
+    finally:
+        stop.set()
+        for thread in busy:
+            thread.join()
+
+
+def test_a_changed_environment_or_sys_path_replaces_the_spares(spares, monkeypatch, tmp_path):
+    fanrun.warmup(2)
+    first = spares.pids()
+    monkeypatch.setenv("FANRUN_WARM_TEST", "changed")
+    results = describe.distributed(0)
+    assert not {r["pid"] for r in results} & set(first)  # started cold, with the new environment
+    assert [r["env"] for r in results] == ["changed", "changed"]
+    assert wait_gone(first, timeout=10) == []
+    second = spares.pids()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    results = describe.distributed(0)
+    assert not {r["pid"] for r in results} & set(second)
+    assert wait_gone(second, timeout=10) == []
+
+
+def test_a_spare_killed_while_it_waits_leaves_the_call_to_a_cold_rank(spares):
+    fanrun.warmup(2)
+    killed = spares.pids()[0]
+    os.kill(killed, signal.SIGKILL)
+    assert wait_gone([killed], timeout=10) == []
+    results = describe.distributed(2)
+    assert [r["sum"] for r in results] == [5.0, 5.0] and killed not in {r["pid"] for r in results}
+
+
+@distributed(num_accelerators=2, warm=True)
+def rank_1_killed():
+    import os
+    import signal
+    import time
+
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_a_warm_rank_killed_mid_call_is_named_and_the_next_call_works(spares):
+    fanrun.warmup(2)
+    with pytest.raises(fanrun.RankFailedError, match=r"Rank 1 of 2 \(pid \d+\) was killed by SIGKILL"):
+        rank_1_killed.distributed()
+    assert [r["sum"] for r in describe.distributed(0)] == [1.0, 1.0]
+
+
+CALLER = """
+import os, sys, fanrun
+from fanrun._launch.spares import POOL
+
+@fanrun.distributed(num_accelerators=2, warm=True)
+def quick():
+    return os.getpid()
+
+fanrun.warmup(2)
+ranks = quick.distributed()
+print(" ".join(map(str, ranks + POOL.pids())), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_no_spare_outlives_a_caller_killed_with_sigkill(tmp_path):
+    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CALLER)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        pids = [int(pid) for pid in caller.stdout.readline().split()]
+        assert len(pids) == 4, caller.stderr.read()
+        spare_pids = pids[2:]
+        assert processes_with_environment(f"{contract.ENV_SPARE}={caller.pid}".encode()) != []
+    finally:
+        caller.kill()
+        caller.communicate(timeout=30)
+    assert wait_gone(spare_pids, timeout=10) == []
+    assert wait_gone([pid for pid, _ in processes_with_environment(f"{contract.ENV_SPARE}={caller.pid}".encode())],
+                     timeout=10) == []
+
+
+def test_warm_switches_are_checked(monkeypatch, spares):
+    with pytest.raises(TypeError, match="warm must be True, False or None"):
+        distributed(warm="yes")
+    with pytest.raises(ValueError, match="preload names modules to import"):
+        fanrun.warmup(2, preload=["not a module"])
+    from fanrun._launch.spares import warm
+
+    monkeypatch.delenv("FANRUN_WARM", raising=False)
+    assert warm(None) is False and warm(True) is True
+    fanrun.warmup(1)
+    assert warm(None) is True and warm(False) is False
+    monkeypatch.setenv("FANRUN_WARM", "0")
+    assert warm(None) is False
+    fanrun.cooldown()
+    monkeypatch.setenv("FANRUN_WARM", "1")
+    assert warm(None) is True
