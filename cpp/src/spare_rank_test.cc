@@ -5,18 +5,13 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <fstream>
-#include <sstream>
-
-#include "fanrun/supervisor.h"
-#include "test_util_internal.h"
+#include "supervisor_test_fixture_internal.h"
 
 namespace fanrun {
 namespace {
 
 using testing::MinimalEnv;
 using testing::ProcessGoneWithin;
-using testing::ShellCommand;
 
 // A spare as small as can be: it says it is ready after 0.3 s of "imports", takes its call off
 // descriptor 3 (run_contract.h), places the descriptors that came with it at 1 and 2, and
@@ -41,49 +36,14 @@ os.chdir(fields[0])
 os.execve(argv[0], argv, dict(entry.split(b"=", 1) for entry in env))
 )";
 
-class SpareRankTest : public ::testing::Test {
+class SpareRankTest : public testing::SupervisorFixture {
  protected:
-  void SetUp() override {
-    dir_ = testing::MakeTempDir("fanrun-spare-rank-test");
-    ASSERT_FALSE(dir_.empty());
-  }
-  void TearDown() override { ASSERT_TRUE(testing::RemoveTree(dir_)); }
-
   static Result<SpareRank> StartSpare() {
     SpawnOptions spawn;
     spawn.argv = {"python3", "-c", kSpareProgram};
     spawn.env = MinimalEnv();
     return SpareRank::Start(testing::KeeperPath(), spawn);
   }
-
-  SupervisorOptions Options(const std::vector<std::string>& scripts) {
-    SupervisorOptions options;
-    for (size_t i = 0; i < scripts.size(); ++i) {
-      RankOptions rank;
-      rank.spawn.argv = ShellCommand(scripts[i]);
-      rank.spawn.env = MinimalEnv();
-      rank.spawn.env.push_back("RANK=" + std::to_string(i));
-      rank.spawn.cwd = dir_;
-      rank.log_path = dir_ + "/rank_" + std::to_string(i) + ".log";
-      options.ranks.push_back(rank);
-    }
-    options.keeper_path = testing::KeeperPath();
-    options.kill_grace_s = 0.5;
-    return options;
-  }
-
-  static std::vector<Event> RunToEnd(Supervisor& supervisor) {
-    std::vector<Event> all;
-    for (;;) {
-      auto batch = supervisor.Wait();
-      EXPECT_TRUE(batch.ok()) << batch.status().message();
-      if (!batch.ok()) return all;
-      for (auto& event : batch->events) all.push_back(std::move(event));
-      if (batch->done) return all;
-    }
-  }
-
-  std::string dir_;
 };
 
 TEST_F(SpareRankTest, BecomesTheRankItIsHandedWithItsOutputDirectoryAndEnvironment) {
@@ -94,7 +54,9 @@ TEST_F(SpareRankTest, BecomesTheRankItIsHandedWithItsOutputDirectoryAndEnvironme
   std::vector<SpareRank> spares;
   spares.push_back(std::move(spare).ValueOrDie());
   const std::string script = "echo out$RANK in $(pwd); echo err$RANK >&2";
-  auto supervisor = Supervisor::Start(Options({script, script}), std::move(spares));
+  auto options = Options({script, script});
+  for (auto& rank : options.ranks) rank.spawn.cwd = dir_;
+  auto supervisor = Supervisor::Start(options, std::move(spares));
   ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
   const auto events = RunToEnd(**supervisor);
   EXPECT_EQ((*supervisor)->pid(0), spare_pid);
@@ -108,10 +70,7 @@ TEST_F(SpareRankTest, BecomesTheRankItIsHandedWithItsOutputDirectoryAndEnvironme
     EXPECT_EQ(lines[std::make_pair(rank, 2)], "err" + std::to_string(rank));
     EXPECT_TRUE((*supervisor)->exit_status(rank)->success());
   }
-  std::ifstream log(dir_ + "/rank_0.log");
-  std::stringstream text;
-  text << log.rdbuf();
-  EXPECT_NE(text.str().find("out0 in "), std::string::npos);
+  EXPECT_NE(ReadFile(dir_ + "/rank_0.log").find("out0 in "), std::string::npos);
 }
 
 TEST_F(SpareRankTest, SaysWhenItsImportsAreDone) {

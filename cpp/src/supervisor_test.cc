@@ -7,12 +7,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <map>
 #include <optional>
-#include <sstream>
 
-#include "test_util_internal.h"
+#include "supervisor_test_fixture_internal.h"
 
 namespace fanrun {
 namespace {
@@ -21,58 +19,7 @@ using testing::MinimalEnv;
 using testing::ProcessGoneWithin;
 using testing::ShellCommand;
 
-class SupervisorTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = testing::MakeTempDir("fanrun-supervisor-test");
-    ASSERT_FALSE(dir_.empty());
-  }
-  void TearDown() override { ASSERT_TRUE(testing::RemoveTree(dir_)); }
-
-  SupervisorOptions Options(const std::vector<std::string>& scripts) {
-    SupervisorOptions options;
-    for (size_t i = 0; i < scripts.size(); ++i) {
-      RankOptions rank;
-      rank.spawn.argv = ShellCommand(scripts[i]);
-      rank.spawn.env = MinimalEnv();
-      rank.spawn.env.push_back("RANK=" + std::to_string(i));
-      rank.log_path = dir_ + "/rank_" + std::to_string(i) + ".log";
-      options.ranks.push_back(rank);
-    }
-    options.keeper_path = testing::KeeperPath();
-    options.kill_grace_s = 0.5;
-    return options;
-  }
-
-  // Pumps the supervisor until every rank is reaped.
-  std::vector<Event> RunToEnd(Supervisor& supervisor) {
-    std::vector<Event> all;
-    for (;;) {
-      auto batch = supervisor.Wait();
-      EXPECT_TRUE(batch.ok()) << batch.status().message();
-      if (!batch.ok()) return all;
-      for (auto& event : batch->events) all.push_back(std::move(event));
-      if (batch->done) return all;
-    }
-  }
-
-  static std::map<int, std::string> Lines(const std::vector<Event>& events, int stream) {
-    std::map<int, std::string> out;
-    for (const auto& e : events) {
-      if (e.kind == EventKind::kOutput && e.stream == stream) out[e.rank] += e.text + "|";
-    }
-    return out;
-  }
-
-  static std::string ReadFile(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str();
-  }
-
-  std::string dir_;
-};
+using SupervisorTest = testing::SupervisorFixture;
 
 TEST_F(SupervisorTest, EveryRankRunsAndItsOutputArrivesLabelledAndLogged) {
   auto supervisor = Supervisor::Start(Options({"echo out$RANK; echo err$RANK >&2", "echo out$RANK; echo err$RANK >&2"}));

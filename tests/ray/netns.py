@@ -13,13 +13,15 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
-import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from processes import wait_gone  # noqa: E402  (tests/processes.py)
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
@@ -71,17 +73,8 @@ def processes_in_this_namespace() -> dict[int, str]:
 
 
 def wait_for_exits(pids, timeout: float) -> None:
-    """Waits on pidfds, reaping what this process (their subreaper) inherited, up to `timeout`."""
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
+    """Waits for them, reaping what this process (their subreaper) inherited, up to `timeout`."""
+    wait_gone(list(pids), timeout)
     reap_orphans()
 
 
