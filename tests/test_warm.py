@@ -161,6 +161,42 @@ def test_no_spare_outlives_a_caller_killed_with_sigkill(tmp_path):
                      timeout=10) == []
 
 
+INTERRUPTED_CALLER = """
+import os, sys, time, fanrun
+
+@fanrun.distributed(num_accelerators=2, warm=True)
+def sleep():
+    print("up", os.getpid(), flush=True)
+    time.sleep(60)
+
+fanrun.warmup(2, wait=True)
+try:
+    sleep.distributed()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_stops_warm_ranks_and_the_spares_end_with_the_caller(tmp_path):
+    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(INTERRUPTED_CALLER)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    ranks = []
+    try:
+        while len(ranks) < 2:
+            line = caller.stdout.readline()
+            assert line, caller.stderr.read()
+            if "up " in line:
+                ranks.append(int(line.split()[-1]))
+        caller.send_signal(signal.SIGINT)
+        out, err = caller.communicate(timeout=60)
+    finally:
+        caller.kill()
+    assert "interrupted" in out, err
+    assert wait_gone(ranks, timeout=0.5) == []  # stopped before KeyboardInterrupt reached the caller
+    assert wait_gone([pid for pid, _ in processes_with_environment(f"{contract.ENV_SPARE}={caller.pid}".encode())],
+                     timeout=10) == []
+
+
 def test_warm_switches_are_checked(monkeypatch, spares):
     with pytest.raises(TypeError, match="warm must be True, False or None"):
         distributed(warm="yes")
