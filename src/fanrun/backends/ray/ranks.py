@@ -190,7 +190,8 @@ class RayRanks:
             kind, rank = event[0], event[1]
             if kind == _core.EventKind.RANK_EXITED:
                 self._exits[rank] = event[5]
-                if event[5] != (0, 0):  # as its node's supervisor counts it: a failure
+                # As its node's supervisor counts it: a failure, unless the run was stopping already.
+                if event[5] != (0, 0) and self.stop_reason == _core.StopReason.NONE:
                     self._first_failure(node, rank)
                 if self._killed_from_outside_just_after_the_first_failure(rank, event[5]):
                     self.first_failed_rank = rank
