@@ -128,6 +128,22 @@ def warm_calls() -> str:
             f"last losses {[round(loss, 4) for loss in losses]}")
 
 
+def kept_calls() -> str:
+    # keep_alive=True: the second call on runs in the processes of the first, their CUDA context,
+    # NCCL libraries and cuBLAS handles still there.
+    held = torch.ones(1024, 1024, device="cuda") if ON_GPU else None
+    kept = distributed(keep_alive=True)(train_and_maybe_fail.__wrapped__)
+    times = []
+    for _ in range(4 if ON_GPU else 2):
+        started = time.monotonic()
+        losses = kept.distributed("none", steps=50)
+        times.append(time.monotonic() - started)
+    fanrun.cooldown()
+    del held
+    return (f"first call {times[0]:.2f} s, then {len(times) - 1} calls on the kept ranks in "
+            f"{', '.join(f'{t:.2f}' for t in times[1:])} s; last losses {[round(loss, 4) for loss in losses]}")
+
+
 def failing(mode: str, rank: int, expected: type, steps: int):
     def body() -> str:
         try:
@@ -177,6 +193,7 @@ def main() -> None:
     if ON_GPU:
         scenario("caller initialised CUDA first", cuda_live_in_caller)
     scenario(f"warm calls{' from a caller with CUDA live' if ON_GPU else ''}", warm_calls)
+    scenario(f"kept calls{' from a caller with CUDA live' if ON_GPU else ''}", kept_calls)
     scenario(f"rank {args.raise_rank} raises mid-training", failing("raise", args.raise_rank, RuntimeError, steps))
     scenario(f"rank {args.kill_rank} is SIGKILLed mid-training",
              failing("sigkill", args.kill_rank, fanrun.RankFailedError, steps))

@@ -33,7 +33,9 @@ from pathlib import Path
 # as a script's or a notebook's later calls do (benchmarks/tracking_cost.py times a first call).
 # "warm" is fanrun untracked with warm=True: its ranks are the spares the call before left
 # (_launch/spares.py), each given the time to finish its imports, as between two notebook cells.
-FANRUN = ("fanrun", "tracked", "warm")
+# "kept" is fanrun untracked with keep_alive=True: its ranks are the processes of the same
+# function's call before, still alive.
+FANRUN = ("fanrun", "tracked", "warm", "kept")
 PEERS = ("mp.spawn", "torchrun", "notebook_launcher")
 LAUNCHERS = (*FANRUN, *PEERS)
 # The launchers fanrun must not be slower than; notebook_launcher is shown for reference.
@@ -41,6 +43,9 @@ GOAL_PEERS = ("mp.spawn", "torchrun")
 # A warm call against notebook_launcher, which forks the caller: at most this many times its time,
 # on GPUs and on CPU processes.
 WARM_GOAL = {"gpu": 1.0, "cpu": 2.0}
+# A call on kept ranks, on GPUs: at most this many seconds, and this many times notebook_launcher's.
+KEPT_GOAL_S = 1.0
+KEPT_GOAL_RATIO = 0.5
 NOISE = 0.05  # a ratio up to 1 + NOISE still counts as "no slower"
 FAILURE_GOAL_S = 0.5
 # What tracking may add to a call: 5 % or this much, whichever is larger.
@@ -134,6 +139,18 @@ def run_fanrun(n: int, fn: Callable[[str], object], directory: str, *, tracking:
     from fanrun import distributed
 
     return distributed(num_accelerators=n, tracking=tracking, warm=warm)(fn).distributed(directory)
+
+
+_KEPT: dict[tuple[int, str], object] = {}
+
+
+def run_fanrun_kept(n: int, fn: Callable[[str], object], directory: str) -> list:
+    """One function per N and rank function, as a notebook calls the same function again."""
+    from fanrun import distributed
+
+    if (n, fn.__name__) not in _KEPT:
+        _KEPT[n, fn.__name__] = distributed(num_accelerators=n, tracking=False, keep_alive=True)(fn)
+    return _KEPT[n, fn.__name__].distributed(directory)
 
 
 def run_spawn(n: int, fn: Callable[[str], object], directory: str) -> None:
@@ -257,7 +274,7 @@ def started_processes(marker: bytes) -> dict[int, str]:
 def lasting_processes() -> set[int]:
     """Processes that live as long as this one by design, not leftovers of a measurement: fanrun's
     tracking agent, started by the first tracked call and serving every later one; and the spare
-    ranks a warm call leaves for the next one, with their keepers."""
+    ranks a warm call leaves for the next one and the ranks a kept call keeps, with their keepers."""
     lasting = set()
     agent_connection = sys.modules.get("fanrun._tracking.agent_connection")
     pid = agent_connection.agent_pid() if agent_connection is not None else None
@@ -272,7 +289,7 @@ def lasting_processes() -> set[int]:
 
 def spare_pids() -> list[int]:
     spares = sys.modules.get("fanrun._launch.spares")
-    return spares.POOL.pids() if spares is not None else []
+    return spares.POOL.pids() + spares.kept_pids() if spares is not None else []
 
 
 def wait_for_spares(limit_s: float = 120.0) -> None:
@@ -342,6 +359,7 @@ class Session:
             "fanrun": functools.partial(run_fanrun, tracking=False),
             "tracked": run_fanrun,
             "warm": functools.partial(run_fanrun, tracking=False, warm=True),
+            "kept": run_fanrun_kept,
             "mp.spawn": run_spawn,
             "torchrun": functools.partial(run_torchrun, worker=worker),
             "notebook_launcher": run_notebook_launcher,
@@ -452,11 +470,12 @@ def measure_all(session: Session, kind: str, measure: Callable, ranks: list[int]
         if name not in session.launchers:
             cell.problem = "n/a: left out by --peers"
     for n in ranks:
-        if "warm" in session.launchers and kind == "launch":
-            # Spares are started for as many ranks as the call before had: the first warm call
-            # at a new N starts most of its ranks cold, as a process's first call does.
-            label = f"warm-up warm N={n}"
-            outcome = session.attempt(label, functools.partial(measure, session.launchers["warm"], n))
+        for name in ("warm", "kept") if kind == "launch" else ():
+            # Spares are started for as many ranks as the call before had, and ranks are kept by
+            # the function at this N: the first such call at a new N starts its ranks, as a
+            # process's first call does.
+            label = f"warm-up {name} N={n}"
+            outcome = session.attempt(label, functools.partial(measure, session.launchers[name], n))
             progress(f"{label}: {'failed' if isinstance(outcome, Exception) else 'done'}")
         for index in range(repeat):
             for name, launch in session.launchers.items():
@@ -557,7 +576,8 @@ def gpu_names() -> str:
 def table(title: str, cells: dict[tuple[int, str], Cell], ranks: list[int]) -> str:
     # Only the launch measurement joins a process group, so only it has a backend to show.
     with_backend = any(cell.backends for cell in cells.values())
-    header = ["N", *LAUNCHERS, *(f"fanrun/{peer}" for peer in PEERS), *(f"warm/{peer}" for peer in PEERS), "tracked/fanrun",
+    header = ["N", *LAUNCHERS, *(f"fanrun/{peer}" for peer in PEERS), *(f"warm/{peer}" for peer in PEERS),
+              *(f"kept/{peer}" for peer in PEERS), "tracked/fanrun",
               *(["backend"] if with_backend else [])]
     rows, footnotes = [], []
     for n in ranks:
@@ -572,6 +592,7 @@ def table(title: str, cells: dict[tuple[int, str], Cell], ranks: list[int]) -> s
                 row.append(f"{cell.median:.3f} ({min(cell.samples):.3f})")
         row += [format_ratio(ratio(cells, n, peer)) for peer in PEERS]
         row += [format_ratio(ratio(cells, n, peer, mine="warm")) for peer in PEERS]
+        row += [format_ratio(ratio(cells, n, peer, mine="kept")) for peer in PEERS]
         cost = tracking_cost(cells, n)
         row.append("-" if cost is None else f"{(cost[0] + cost[1]) / cost[1]:.2f}x" if cost[1] else "-")
         if with_backend:
@@ -608,6 +629,14 @@ def goals(launch: dict, failure: dict, ranks: list[int], failure_ranks: list[int
         lines.append(verdict(goal, ratios, lambda r: r <= WARM_GOAL[kind], format_ratio))
     else:
         lines.append(f"  fanrun {goal}: not measured (notebook_launcher runs N=1 in the caller itself)")
+    if kind == "gpu":
+        seconds = {n: launch[n, "kept"].median for n in ranks}
+        goal = f"launch wall time on kept ranks (keep_alive=True) at most {KEPT_GOAL_S:g} s"
+        lines.append(verdict(goal, seconds, lambda s: s <= KEPT_GOAL_S, lambda s: f"{s:.3f} s"))
+        ratios = {n: ratio(launch, n, "notebook_launcher", mine="kept") for n in ranks if n > 1}
+        goal = f"launch wall time on kept ranks at most {KEPT_GOAL_RATIO:g}x notebook_launcher's for every N > 1"
+        if ratios:
+            lines.append(verdict(goal, ratios, lambda r: r <= KEPT_GOAL_RATIO, format_ratio))
     latencies = {n: failure[n, "fanrun"].median for n in failure_ranks}
     goal = f"failure latency (median) under {FAILURE_GOAL_S} s"
     lines.append(verdict(goal, latencies, lambda s: s < FAILURE_GOAL_S, lambda s: f"{s:.3f} s"))
@@ -684,7 +713,7 @@ def main() -> None:
         failure = measure_all(session, "failure", measure_failure, args.failure_ranks, args.repeat)
         import fanrun
 
-        fanrun.cooldown()  # the last warm call's spares
+        fanrun.cooldown()  # the last warm call's spares, and the kept ranks
     print()
     print(table(f"Launch wall time in seconds, median (min) of {args.repeat}", launch, args.ranks))
     print()

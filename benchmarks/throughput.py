@@ -1,5 +1,7 @@
 """Training throughput (steps/s) of DDP and FSDP under fanrun and under torchrun, from one run on
 the same machine: once training runs, the launcher must cost nothing (ratio 1.00 within noise).
+"kept" is fanrun with keep_alive=True: from its second call on, the ranks are the processes of
+the call before.
 
     python benchmarks/throughput.py [--steps 200] [--repeat 3] [--ranks N] [--kinds ddp fsdp]
 
@@ -68,6 +70,17 @@ def under_fanrun(kind: str, ranks: int, steps: int, warmup: int) -> float:
     return distributed(num_accelerators=ranks, tracking=False)(train).distributed(kind, steps, warmup)[0]
 
 
+_KEPT: dict[tuple[str, int], object] = {}
+
+
+def under_fanrun_kept(kind: str, ranks: int, steps: int, warmup: int) -> float:
+    from fanrun import distributed
+
+    if (kind, ranks) not in _KEPT:
+        _KEPT[kind, ranks] = distributed(num_accelerators=ranks, tracking=False, keep_alive=True)(train)
+    return _KEPT[kind, ranks].distributed(kind, steps, warmup)[0]
+
+
 def under_torchrun(kind: str, ranks: int, steps: int, warmup: int) -> float:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                __file__, "--worker", kind, "--steps", str(steps), "--warmup", str(warmup)]
@@ -98,14 +111,21 @@ def main() -> None:
     ranks = args.ranks or (torch.cuda.device_count() or 2)
     where = f"{ranks} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"{ranks} CPU processes"
     print(f"{where}; torch {torch.__version__}; {args.steps} timed steps after {args.warmup}, {args.repeat} repeats, alternating")
-    print(f"{'model':6} {'fanrun steps/s':>16} {'torchrun steps/s':>17} {'fanrun/torchrun':>16}")
+    print(f"{'model':6} {'fanrun steps/s':>16} {'kept steps/s':>13} {'torchrun steps/s':>17} {'fanrun/torchrun':>16} "
+          f"{'kept/torchrun':>14}")
     for kind in args.kinds:
-        fanrun_rates, torchrun_rates = [], []
-        for _ in range(args.repeat):  # alternate, so that drift hits both alike
+        fanrun_rates, kept_rates, torchrun_rates = [], [], []
+        for _ in range(args.repeat):  # alternate, so that drift hits all alike
             fanrun_rates.append(under_fanrun(kind, ranks, args.steps, args.warmup))
+            kept_rates.append(under_fanrun_kept(kind, ranks, args.steps, args.warmup))
             torchrun_rates.append(under_torchrun(kind, ranks, args.steps, args.warmup))
-        f, t = statistics.median(fanrun_rates), statistics.median(torchrun_rates)
-        print(f"{kind:6} {f:16.2f} {t:17.2f} {f / t:15.3f}x   (fanrun {['%.2f' % r for r in fanrun_rates]}, torchrun {['%.2f' % r for r in torchrun_rates]})")
+        f, k, t = (statistics.median(rates) for rates in (fanrun_rates, kept_rates, torchrun_rates))
+        shown = ", ".join(f"{name} {[round(r, 2) for r in rates]}"
+                          for name, rates in (("fanrun", fanrun_rates), ("kept", kept_rates), ("torchrun", torchrun_rates)))
+        print(f"{kind:6} {f:16.2f} {k:13.2f} {t:17.2f} {f / t:15.3f}x {k / t:13.3f}x   ({shown})")
+    import fanrun
+
+    fanrun.cooldown()  # the kept ranks
 
 
 if __name__ == "__main__":

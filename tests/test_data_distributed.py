@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import json
 import uuid
-from pathlib import Path
 
 import pytest
 from nginx_server import NginxServer

@@ -51,7 +51,8 @@ print(" ".join(sorted(path.stem for path in folder.glob("*.py"))))
 def test_the_rank_package_loads_with_torch_mlflow_and_cloudpickle_unimportable():
     done = subprocess.run([sys.executable, "-c", RANK_PACKAGE_ALONE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["__init__", "contract", "metric_sender", "result_file", "spare", "tracking", "tracking_off", "worker"]
+    assert done.stdout.split() == ["__init__", "contract", "keep", "metric_sender", "result_file", "spare", "tracking",
+                                   "tracking_off", "worker"]
     loaded = modules_after("import fanrun._rank.worker, fanrun._rank.tracking, fanrun._rank.result_file")
     assert {m for m in loaded if m.split(".")[0] in ("torch", "mlflow", "cloudpickle", "numpy")} == set()
 
@@ -88,10 +89,10 @@ def test_every_exception_is_public_and_made_to_happen_by_a_test():
 SRC = Path(__file__).resolve().parents[1] / "src" / "fanrun"
 NEVER = {
     "_rank": ("fanrun",),
-    "data": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._decorator"),
-    "backends": ("fanrun._launch.run", "fanrun._tracking", "fanrun._decorator"),
-    "_launch": ("fanrun._tracking", "fanrun._decorator"),
-    "_tracking": ("fanrun._launch.run", "fanrun.backends", "fanrun._decorator"),
+    "data": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._decorator", "fanrun._runs"),
+    "backends": ("fanrun._launch.run", "fanrun._tracking", "fanrun._decorator", "fanrun._runs"),
+    "_launch": ("fanrun._tracking", "fanrun._decorator", "fanrun._runs"),
+    "_tracking": ("fanrun._launch.run", "fanrun.backends", "fanrun._decorator", "fanrun._runs"),
 }
 # The one exception: a cluster's node agent serves its ranks' metric socket with the relay's own
 # code, which is a socket server that knows nothing of MLflow.

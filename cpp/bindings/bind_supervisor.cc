@@ -104,6 +104,7 @@ void BindSupervisor(nb::module_& m) {
   m.attr("CONTROL_LOG") = std::string(kControlLog);
   m.attr("SPARE_CALL") = std::string(kSpareCall);
   m.attr("SPARE_READY") = std::string(kSpareReady);
+  m.attr("CONTROL_KEPT") = std::string(kControlKept);
   nb::enum_<EventKind>(m, "EventKind", "What Supervisor.wait reports.")
       .value("OUTPUT", EventKind::kOutput, "A piece of a rank's output: (stream, segment, text).")
       .value("RANK_FAILED", EventKind::kRankFailed, "A rank reported its failure on its control channel.")
@@ -148,6 +149,15 @@ void BindSupervisor(nb::module_& m) {
            "stream 1 for stdout and 2 for stderr. With max_wait_s >= 0 it returns after that long at the\n"
            "latest, even with no events.")
       .def("cancel", &Supervisor::Cancel)
+      .def(
+          "release_kept",
+          [](Supervisor& s) {
+            std::vector<PySpareRank> released;
+            for (SpareRank& spare : ValueOrThrow(s.ReleaseKept())) released.push_back(PySpareRank{std::move(spare)});
+            return released;
+          },
+          "Once every rank said it is kept and the run did not stop early: the ranks, in rank order,\n"
+          "as spares for the next call; otherwise [], and they end with kill_and_reap().")
       .def("kill_and_reap", [](Supervisor& s) { CallWithoutGil([&] { s.KillAndReap(); }); })
       .def_prop_ro("world_size", &Supervisor::world_size)
       .def_prop_ro("first_failed_rank", &Supervisor::first_failed_rank)

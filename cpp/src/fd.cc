@@ -72,6 +72,14 @@ Status SetNonBlocking(int fd) {
   return Status::OK();
 }
 
+Status SetBlocking(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return Status::IOErrorFromErrno(errno, "Failed to make descriptor ", fd, " blocking");
+  }
+  return Status::OK();
+}
+
 Status DescriptorError(int err, const std::string& what) {
   if (err == ENFILE) {
     return Status::IOError(what, ": the system's table of open files is full (ENFILE; see sysctl fs.file-max)");

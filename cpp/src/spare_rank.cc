@@ -47,6 +47,14 @@ Result<SpareRank> SpareRank::Start(const std::string& keeper, SpawnOptions optio
   return SpareRank(std::move(process), std::move(ours));
 }
 
+Result<SpareRank> SpareRank::Kept(KeptProcess process, FileDescriptor channel) {
+  // The supervisor read it without blocking; a call is handed over with blocking sends.
+  FANRUN_RETURN_NOT_OK(SetBlocking(channel.fd()));
+  SpareRank spare(std::move(process), std::move(channel));
+  spare.ready_ = true;
+  return spare;
+}
+
 bool SpareRank::waiting() const {
   pollfd p{process_.pidfd(), POLLIN, 0};
   return !process_.reaped() && ::poll(&p, 1, 0) == 0;

@@ -36,6 +36,37 @@ os.chdir(fields[0])
 os.execve(argv[0], argv, dict(entry.split(b"=", 1) for entry in env))
 )";
 
+// A spare that keeps itself alive: for each call it writes its output, says "done", puts
+// /dev/null at 1 and 2, says "kept" and waits for the next call; the end of its channel ends it.
+// A call whose script is "fail" fails instead.
+constexpr const char* kKeptProgram = R"(
+import os, socket
+channel = socket.socket(fileno=3)
+while True:
+    data, fds, _, _ = socket.recv_fds(channel, 65536, 2)
+    if not data:
+        raise SystemExit(0)
+    head, _, body = data.partition(b"\n")
+    while len(body) < int(head[5:]):
+        body += channel.recv(65536)
+    fields = body.split(b"\0")[:-1]
+    count = int(fields[1])
+    script = fields[2 + count - 1]
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    os.close(fds[0])
+    os.close(fds[1])
+    if script == b"fail":
+        os.write(3, b"failed\n")
+        raise SystemExit(1)
+    os.write(1, b"call in pid %d\n" % os.getpid())
+    os.write(3, b"done\n")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.write(3, b"kept\n")
+)";
+
 class SpareRankTest : public testing::SupervisorFixture {
  protected:
   static Result<SpareRank> StartSpare() {
@@ -43,6 +74,19 @@ class SpareRankTest : public testing::SupervisorFixture {
     spawn.argv = {"python3", "-c", kSpareProgram};
     spawn.env = MinimalEnv();
     return SpareRank::Start(testing::KeeperPath(), spawn);
+  }
+
+  static std::vector<SpareRank> StartKept(int count) {
+    std::vector<SpareRank> spares;
+    for (int i = 0; i < count; ++i) {
+      SpawnOptions spawn;
+      spawn.argv = {"python3", "-c", kKeptProgram};
+      spawn.env = MinimalEnv();
+      auto spare = SpareRank::Start(testing::KeeperPath(), spawn);
+      EXPECT_TRUE(spare.ok()) << spare.status().message();
+      if (spare.ok()) spares.push_back(std::move(spare).ValueOrDie());
+    }
+    return spares;
   }
 };
 
@@ -122,6 +166,58 @@ TEST_F(SpareRankTest, ASpareNeverHandedACallEndsWhenDropped) {
     pid = spare->pid();
   }
   EXPECT_TRUE(ProcessGoneWithin(pid, 5000));
+}
+
+TEST_F(SpareRankTest, KeptRanksEndTheirCallAliveAndTakeTheNextOne) {
+  std::vector<SpareRank> spares = StartKept(2);
+  ASSERT_EQ(spares.size(), 2u);
+  const pid_t pids[2] = {spares[0].pid(), spares[1].pid()};
+  for (int call = 0; call < 3; ++call) {
+    auto supervisor = Supervisor::Start(Options({"first", "second"}), std::move(spares));
+    ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+    const auto events = RunToEnd(**supervisor);
+    const auto out = Lines(events, 1);
+    for (int rank : {0, 1}) {
+      EXPECT_EQ(out.at(rank), "call in pid " + std::to_string(pids[rank]) + "|") << "call " << call;
+      EXPECT_TRUE((*supervisor)->exit_status(rank)->success());
+    }
+    auto kept = (*supervisor)->ReleaseKept();
+    ASSERT_TRUE(kept.ok()) << kept.status().message();
+    ASSERT_EQ(kept->size(), 2u);
+    for (int rank : {0, 1}) {
+      EXPECT_EQ((*kept)[static_cast<size_t>(rank)].pid(), pids[rank]);
+      EXPECT_TRUE((*kept)[static_cast<size_t>(rank)].waiting());
+    }
+    spares = std::move(kept).ValueOrDie();
+  }
+  spares.clear();  // their keepers end them
+  EXPECT_TRUE(ProcessGoneWithin(pids[0], 5000));
+  EXPECT_TRUE(ProcessGoneWithin(pids[1], 5000));
+}
+
+TEST_F(SpareRankTest, AFailedCallEndsTheRanksItKept) {
+  std::vector<SpareRank> spares = StartKept(2);
+  ASSERT_EQ(spares.size(), 2u);
+  const pid_t kept_pid = spares[0].pid();
+  auto supervisor = Supervisor::Start(Options({"first", "fail"}), std::move(spares));
+  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
+  auto kept = (*supervisor)->ReleaseKept();
+  ASSERT_TRUE(kept.ok()) << kept.status().message();
+  EXPECT_TRUE(kept->empty());
+  (*supervisor)->KillAndReap();
+  EXPECT_TRUE(ProcessGoneWithin(kept_pid, 5000));
+}
+
+TEST_F(SpareRankTest, ARankStartedColdCannotBeKept) {
+  auto supervisor = Supervisor::Start(Options({"echo done >&3; echo kept >&3; echo after"}));
+  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+  const auto events = RunToEnd(**supervisor);
+  EXPECT_EQ(Lines(events, 1).at(0), "after|");  // its output to its exit, not cut at "kept"
+  auto kept = (*supervisor)->ReleaseKept();
+  ASSERT_TRUE(kept.ok());
+  EXPECT_TRUE(kept->empty());
 }
 
 TEST_F(SpareRankTest, MoreSparesThanRanksAreRefused) {

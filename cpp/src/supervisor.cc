@@ -84,6 +84,7 @@ Status Supervisor::SpawnRank(size_t index, std::optional<SpareRank> spare) {
   if (spare) {
     FANRUN_ASSIGN_OR_RETURN(auto became, std::move(*spare).Become(launch.spawn, out.write.fd(), err.write.fd()));
     rank.process.emplace(std::move(became.first));
+    rank.spare = true;
     control.read = std::move(became.second);  // the spare's socket, read as a cold rank's pipe is
   } else {
     if (options_.control_channel) {
@@ -117,16 +118,31 @@ Status Supervisor::SpawnRank(size_t index, std::optional<SpareRank> spare) {
 Supervisor::~Supervisor() { KillAndReap(); }
 
 void Supervisor::KillAndReap() {
+  auto running = [](const Rank& rank) { return rank.process && (!rank.exit || rank.kept); };
   // Every keeper is told first, so that they all clean up at the same time.
   for (auto& rank : ranks_) {
-    if (!rank.exit && rank.process) rank.process->KillAll();
+    if (running(rank)) rank.process->KillAll();
   }
   for (auto& rank : ranks_) {
-    if (rank.exit || !rank.process) continue;
+    if (!running(rank)) continue;
     auto status = rank.process->Wait();
-    if (status.ok()) rank.exit = *status;
+    if (status.ok() && !rank.kept) rank.exit = *status;  // a kept rank's call had ended well
     FANRUN_WARN_NOT_OK(status.status(), "reaping a rank");
+    if (rank.kept) rank.process.reset();
   }
+}
+
+Result<std::vector<SpareRank>> Supervisor::ReleaseKept() {
+  std::vector<SpareRank> spares;
+  const bool all_kept =
+      std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.kept && r.process; });
+  if (stop_reason_ != StopReason::kNone || !all_kept) return spares;
+  for (auto& rank : ranks_) {
+    FANRUN_ASSIGN_OR_RETURN(SpareRank spare, SpareRank::Kept(std::move(*rank.process), std::move(rank.control)));
+    rank.process.reset();
+    spares.push_back(std::move(spare));
+  }
+  return spares;
 }
 
 void Supervisor::PumpStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
@@ -225,8 +241,21 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
       OnFailure(rank);
     } else if (message == kControlDone) {
       r.done = true;
+    } else if (message == kControlKept && r.done && r.spare) {
+      OnKept(rank, events);
+      return;  // its channel waits for its next call now, not for more messages
     }
   }
+}
+
+void Supervisor::OnKept(size_t rank, std::vector<Event>& events) {
+  Rank& r = ranks_[rank];
+  // It flushed its output before it said so: all of it is in the pipes.
+  DrainStream(rank, *r.out, 1, events);
+  DrainStream(rank, *r.err, 2, events);
+  r.kept = true;
+  r.exit = ExitStatus{0, 0};
+  events.push_back(Event{EventKind::kRankExited, static_cast<int>(rank), 0, SegmentKind::kLine, {}, *r.exit});
 }
 
 void Supervisor::OnExit(size_t rank, std::vector<Event>& events) {

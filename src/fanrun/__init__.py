@@ -20,9 +20,11 @@ from ._errors import PayloadSerializationError as PayloadSerializationError
 from ._errors import RankFailedError as RankFailedError
 from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import ResultSerializationError as ResultSerializationError
+from ._errors import RunCancelledError as RunCancelledError
 from ._errors import RunNotFoundError as RunNotFoundError
 from ._errors import RunTimeoutError as RunTimeoutError
 from ._errors import TrackingWarning as TrackingWarning
+from ._errors import UnknownRunError as UnknownRunError
 from ._errors import UnsafePathError as UnsafePathError
 from ._errors import WorkingDirectoryError as WorkingDirectoryError
 
@@ -37,6 +39,9 @@ _CALL_MACHINERY = {
     "flush_tracking": "_tracking.caller",
     "warmup": "_warmup",
     "cooldown": "_warmup",
+    "Run": "_runs.run",
+    "attach": "_runs.run",
+    "runs": "_runs.run",
     # Ray is imported by these alone, when they are called.
     "ray_init": "backends.ray.connect",
     "ray_shutdown": "backends.ray.connect",
@@ -47,6 +52,9 @@ if TYPE_CHECKING:
     from ._decorator import distributed as distributed
     from ._torch_distributor import TorchDistributor as TorchDistributor
     from ._tracking.caller import flush_tracking as flush_tracking
+    from ._runs.run import Run as Run
+    from ._runs.run import attach as attach
+    from ._runs.run import runs as runs
     from ._warmup import cooldown as cooldown
     from ._warmup import warmup as warmup
     from .backends.ray.connect import ray_init as ray_init

@@ -1,5 +1,5 @@
 """`fanrun run`: the same engine for scripts, modules and native programs, like torchrun; `fanrun ui`:
-MLflow's UI for the runs of tracked calls."""
+MLflow's UI for the runs of tracked calls; `fanrun list|logs|attach|cancel`: detached runs (_cli_runs.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import signal
 import sys
 
-from . import __version__, _accelerators, _cli_torchrun
+from . import __version__, _accelerators, _cli_runs, _cli_torchrun
+from ._launch import gpu_locks
 from ._launch.program import RankProgram
 from ._launch.run import run
 from ._decorator import DEFAULT_TIMEOUT
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--backend-store-uri", default=None, metavar="URI",
                     help="a local MLflow store to show instead of fanrun's own (see docs/tracking.md)")
     ui.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: 5000 if free)")
+    _cli_runs.add_commands(commands)
     return parser
 
 
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     # A scheduler's SIGTERM stops the ranks the same way as Ctrl+C does.
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    if options.command in _cli_runs.COMMANDS:
+        return _cli_runs.main(options)
     if options.command == "ui":
         from ._tracking import ui
 
@@ -76,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
             program = RankProgram.native([options.target, *options.args])
         else:
             program = RankProgram.script(options.target, options.args, module=options.module)
-        run(
-            name=options.target.rsplit("/", 1)[-1],
-            plan=plan,
-            program=program,
-            timeout=options.timeout if options.timeout and options.timeout > 0 else None,
-        )
+        name = options.target.rsplit("/", 1)[-1]
+        gpus = _accelerators.detect().visible[: plan.world_size] if plan.use_gpus else ()
+        with gpu_locks.hold(gpus, holder=repr(name), on_busy=lambda text: print(f"fanrun: {text}", file=sys.stderr)):
+            run(
+                name=name,
+                plan=plan,
+                program=program,
+                timeout=options.timeout if options.timeout and options.timeout > 0 else None,
+            )
         return 0
     except KeyboardInterrupt:
         print("fanrun: interrupted; every rank was stopped", file=sys.stderr)

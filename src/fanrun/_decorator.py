@@ -6,14 +6,20 @@ import dataclasses
 import functools
 import math
 import numbers
+import sys
 import warnings
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 from . import _accelerators, _errors, _payload
 from ._tracking import caller as call_tracking
-from ._launch import preflight, program, run, spares
+from ._launch import gpu_locks, preflight, program, run, spares
 from ._launch.paths import RunPaths
+from ._rank import contract
 from ._accelerators import AcceleratorRequest
+
+if TYPE_CHECKING:
+    from ._runs.run import Run
 
 DEFAULT_TIMEOUT = 3 * 60 * 60  # seconds
 _UNSET: Any = object()
@@ -38,6 +44,14 @@ class Options:
     placement_timeout: float = 60.0
     # Ranks from spares started ahead (_launch/spares.py): None follows FANRUN_WARM and fanrun.warmup().
     warm: bool | None = None
+    # The ranks stay alive between the calls of the function (_launch/spares.py, KeptRanks).
+    keep_alive: bool = False
+    # .distributed() returns a fanrun.Run at once; the call goes on in a process of its own (_runs/).
+    detach: bool = False
+    # A failed attempt starts every rank again, this many times at most.
+    max_restarts: int = 0
+    # The MLflow run's name (a workload's mlflow_run_name); None: the function's name and a random part.
+    run_name: str | None = None
 
 
 class DistributedFunction(Generic[R]):
@@ -47,12 +61,14 @@ class DistributedFunction(Generic[R]):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._options = options
+        self._kept = spares.KeptRanks() if options.keep_alive else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         return self._fn(*args, **kwargs)
 
-    def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
-        """Runs the function once per rank with these arguments; returns every rank's value, in rank order."""
+    def distributed(self, *args: Any, **kwargs: Any) -> list[R] | Run:
+        """Runs the function once per rank with these arguments; returns every rank's value, in
+        rank order (with detach=True, a fanrun.Run at once, whose .result() gives them)."""
         __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
         try:
             return self._run(args, kwargs)
@@ -62,42 +78,99 @@ class DistributedFunction(Generic[R]):
             # Shown from the caller's own line: fanrun's frames in between say nothing to them.
             raise error.with_traceback(None)  # noqa: B904 (the cause, a rank's traceback, stays)
 
-    def _run(self, args: tuple, kwargs: dict) -> list[R]:
+    def _run(self, args: tuple, kwargs: dict) -> list[R] | Run:
         options = self._options
-        if _backend_for(options) == "ray":
-            from .backends import ray as ray_backend
-
-            plan = ray_backend.plan(options.num_accelerators, options.accelerator, options.nodes or 1,
-                                    options.placement_timeout)
-            inventory = None
-        else:
-            inventory = _accelerators.detect()
-            plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory)
+        plan, inventory = plan_for(options)
         # Before the MLflow run starts: a call that cannot start leaves no trace.
         preflight.preflight(plan)
         payload = _payload.serialize_call(self._fn, args, kwargs)
         name = getattr(self._fn, "__name__", "function")
-        # The GPUs the ranks get, in rank order: the ones the run's system metrics describe.
-        # (A cluster's GPUs are the nodes' own: this machine samples none of them.)
-        gpu_indices = [gpu.nvml_index for gpu in inventory.visible[: plan.world_size]] if inventory and plan.use_gpus else []
-        # The MLflow run starts once the call is known to be sendable, and ends with its outcome.
-        with call_tracking.track(function_name=name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
-            # One run directory, for the launcher and for tracking, which uploads its logs.
-            with RunPaths.create(name) as paths:
-                tracked.paths = paths
-                return run.run(
-                    name=name,
-                    plan=plan,
-                    program=program.RankProgram.function(),
-                    timeout=options.timeout,
-                    payload=payload,
-                    extra_env=tracked.rank_env,
-                    paths=paths,
-                    warm=spares.warm(options.warm),
-                )
+        if options.detach:
+            from ._runs import run as detached
+
+            return detached.start(name, payload, options)
+        return run_call(payload, name, options, plan, inventory, kept=self._kept)
 
     def __repr__(self) -> str:
         return f"<fanrun.distributed {getattr(self._fn, '__qualname__', self._fn)!r}>"
+
+
+def plan_for(options: Options) -> tuple[_accelerators.Plan, _accelerators.Inventory | None]:
+    """The call's plan, checked against the machine (or the cluster), and this machine's inventory."""
+    if _backend_for(options) == "ray":
+        from .backends import ray as ray_backend
+
+        if options.keep_alive:
+            raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; a call through "
+                             "Ray starts its ranks afresh: drop keep_alive=True, or call without Ray")
+        plan = ray_backend.plan(options.num_accelerators, options.accelerator, options.nodes or 1, options.placement_timeout)
+        return plan, None
+    inventory = _accelerators.detect()
+    return _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory), inventory
+
+
+def run_call(payload: bytes | None, name: str, options: Options, plan: _accelerators.Plan,
+             inventory: _accelerators.Inventory | None, *, rank_program: program.RankProgram | None = None,
+             env: Mapping[str, str] | None = None, kept: spares.KeptRanks | None = None,
+             on_paths: Callable[[RunPaths], None] | None = None) -> list:
+    """Runs a serialized call (or, without one, `rank_program`: a script, a module, a program) on
+    every rank of `plan`, tracked as `options` say, with `env` added to the ranks' environment;
+    returns the ranks' values or raises the root cause. A failed attempt starts every rank again,
+    up to options.max_restarts times. `on_paths` learns each attempt's run directory."""
+    call = _Call(payload, rank_program or program.RankProgram.function(), name, dict(env or {}), kept, on_paths)
+    for attempt in range(options.max_restarts + 1):
+        try:
+            return _attempt(call, options, plan, inventory, attempt)
+        except Exception as error:  # an interrupt is never retried
+            if attempt == options.max_restarts:
+                raise
+            first_line = (str(error).splitlines() or [""])[0]
+            print(f"fanrun: attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
+                  f"{first_line}); starting every rank again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    payload: bytes | None
+    rank_program: program.RankProgram
+    name: str
+    env: dict[str, str]
+    kept: spares.KeptRanks | None
+    on_paths: Callable[[RunPaths], None] | None
+
+
+def _attempt(call: _Call, options: Options, plan: _accelerators.Plan, inventory: _accelerators.Inventory | None,
+             attempt: int) -> list:
+    # The GPUs the ranks get, in rank order: the ones the run's system metrics describe. (A
+    # cluster's GPUs are the nodes' own: this machine samples none of them.) They are this call's
+    # alone while it runs: a call that holds them already goes first.
+    gpus = inventory.visible[: plan.world_size] if inventory and plan.use_gpus else ()
+    with gpu_locks.hold(gpus, holder=repr(call.name), on_busy=_say):
+        # The MLflow run starts once the GPUs are free, and ends with the call's outcome.
+        gpu_indices = [gpu.nvml_index for gpu in gpus]
+        with call_tracking.track(function_name=call.name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
+            # One run directory, for the launcher and for tracking, which uploads its logs.
+            with RunPaths.create(call.name) as paths:
+                tracked.paths = paths
+                if call.on_paths is not None:
+                    call.on_paths(paths)
+                restarts = {contract.ENV_RESTART_COUNT: str(attempt), contract.ENV_MAX_RESTARTS: str(options.max_restarts)}
+                return run.run(
+                    name=call.name,
+                    plan=plan,
+                    program=call.rank_program,
+                    timeout=options.timeout,
+                    payload=call.payload,
+                    extra_env={**call.env, **tracked.rank_env, **restarts},
+                    paths=paths,
+                    warm=spares.warm(options.warm),
+                    keep=call.kept,
+                )
+
+
+def _say(text: str) -> None:
+    print(f"fanrun: {text}", file=sys.stderr, flush=True)
 
 
 def distributed(
@@ -115,6 +188,9 @@ def distributed(
     backend: str | None = None,
     placement_timeout: float = 60.0,
     warm: bool | None = None,
+    keep_alive: bool = False,
+    detach: bool = False,
+    max_restarts: int = 0,
 ):
     """Decorates a function so that `fn.distributed(*args, **kwargs)` runs it on every
     accelerator of this machine (CPU processes where there is none).
@@ -136,6 +212,19 @@ def distributed(
     like already imported, and leaves as many for the next call; ``warm=False`` starts them
     fresh. The default follows ``FANRUN_WARM`` (1 or 0), else whether ``fanrun.warmup()``
     was called.
+
+    ``keep_alive=True`` keeps the rank processes alive between the calls of this function, with
+    the modules they imported and their CUDA context: each call still gets its own arguments,
+    results and a fresh random seed. A failed call ends them; so do 10 idle minutes, the end of
+    this process, and ``fanrun.cooldown()``.
+
+    ``max_restarts=N``: when an attempt fails (a rank raised, was killed, or timed out), every
+    rank starts again, N times at most; each attempt's ranks see ``FANRUN_RESTART_COUNT`` (and
+    torchrun's ``TORCHELASTIC_RESTART_COUNT``), so that they can resume from a checkpoint.
+
+    ``detach=True`` makes ``.distributed()`` return a ``fanrun.Run`` at once: the call runs in a
+    process of its own, which goes on when this one ends. ``fanrun.attach(run_id)`` finds it again
+    from any process of the same user, and ``fanrun list`` shows it.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, numbers.Number):
         return distributed()(num_accelerators)  # bare @distributed
@@ -148,6 +237,10 @@ def distributed(
         raise TypeError(f"remote must be True or False, not {type(remote).__name__}")
     if warm is not None and not isinstance(warm, bool):
         raise TypeError(f"warm must be True, False or None, not {type(warm).__name__} ({warm!r})")
+    for label, value in (("keep_alive", keep_alive), ("detach", detach)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{label} must be True or False, not {type(value).__name__} ({value!r})")
+
     if remote:
         # serverless_gpu's remote=True sends the call to a managed GPU pool; fanrun has none.
         raise ValueError(
@@ -166,7 +259,19 @@ def distributed(
         **_check_tracking(experiment_name, run_id, tracking),
         **_check_cluster(nodes, backend, placement_timeout, num_accelerators),
         warm=warm,
+        keep_alive=keep_alive,
+        detach=detach,
+        max_restarts=_check_restarts(max_restarts),
     )
+    if keep_alive and (options.backend == "ray" or (options.nodes or 1) > 1):
+        raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; ranks on a Ray "
+                         "cluster start afresh each call: drop keep_alive=True, or nodes= and backend='ray'")
+    if detach and keep_alive:
+        raise ValueError("detach=True runs each call in a process of its own, which cannot keep this process's ranks "
+                         "alive: drop keep_alive=True or detach=True")
+    if detach and (options.backend == "ray" or (options.nodes or 1) > 1):
+        raise ValueError("detach=True runs on this machine; a detached call on a Ray cluster is not supported yet: "
+                         "drop detach=True, or nodes= and backend='ray'")
 
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:
         if not callable(fn):
@@ -185,6 +290,12 @@ def _check_count(value: Any) -> int | None:
     if value < 1:
         machine = _accelerators.detect().describe()
         raise ValueError(f"num_accelerators must be at least 1, not {value}; this machine has {machine}")
+    return int(value)
+
+
+def _check_restarts(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"max_restarts must be a whole number of restarts, 0 or more, not {value!r}")
     return int(value)
 
 

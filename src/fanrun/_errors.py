@@ -6,6 +6,18 @@ from __future__ import annotations
 class FanrunError(Exception):
     """Base class of fanrun's own errors."""
 
+    def __reduce__(self):
+        # Rebuilt without __init__, whose keyword-only arguments pickle could not give back: a
+        # detached run's outcome carries the error its call raised to another process.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> FanrunError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class AcceleratorMismatchError(ValueError, FanrunError):
     """The accelerators asked for are not the ones this machine has."""
@@ -69,6 +81,14 @@ class RunTimeoutError(TimeoutError, FanrunError):
 
 class RunNotFoundError(LookupError, FanrunError):
     """run_id= names no MLflow run in the tracking store the call logs to."""
+
+
+class UnknownRunError(LookupError, FanrunError):
+    """A detached run's id that names none of this user's runs."""
+
+
+class RunCancelledError(FanrunError):
+    """The detached run was cancelled (Run.cancel(), `fanrun cancel`) before it ended."""
 
 
 class TrackingWarning(UserWarning):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from . import _accelerators
-from ._launch.spares import POOL
+from ._launch.spares import POOL, drop_all_kept
 from .backends.local import KEEPER
 from .backends.rank_env import RANK_DEFAULTS
 
@@ -35,7 +35,8 @@ def warmup(num_accelerators: int | None = None, *, preload: Iterable[str] = (), 
 
 
 def cooldown() -> None:
-    """Ends every spare rank now, and makes calls cold again unless FANRUN_WARM=1 or their
-    decorator says ``warm=True``."""
+    """Ends every spare rank now, and the ranks that ``keep_alive=True`` kept, and makes calls
+    cold again unless FANRUN_WARM=1 or their decorator says ``warm=True``."""
     POOL.warmed_up = False
     POOL.drop()
+    drop_all_kept()

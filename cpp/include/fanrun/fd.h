@@ -48,6 +48,7 @@ Result<FileDescriptor> OpenFile(const std::string& path, int flags, int mode = 0
 Result<FileDescriptor> DuplicateAbove(int fd, int min_fd);
 
 Status SetNonBlocking(int fd);
+Status SetBlocking(int fd);
 
 // The error for a descriptor that could not be made (`err` from the call, `what` names it).
 // When the process is out of descriptors it names RLIMIT_NOFILE, its value and how to raise it.

@@ -28,6 +28,10 @@ inline constexpr std::string_view kSpareCall = "call ";
 // A spare rank's one line before its call: its imports are done. (A supervisor that reads it
 // after the handover drops it, as any line that is none of the above.)
 inline constexpr std::string_view kSpareReady = "ready";
+// From a rank that was a spare, after kControlDone: "my output is flushed, my stdout and stderr
+// are no longer the call's, and I wait on my control channel for another call". The call is
+// over for it without an exit; Supervisor::ReleaseKept hands it on as a spare (keep_alive).
+inline constexpr std::string_view kControlKept = "kept";
 
 // What a piece of a rank's output is.
 enum class SegmentKind {

@@ -2,7 +2,8 @@
 // will need while it waits) runs under a keeper, with its output on /dev/null and its control
 // channel a socket. A Supervisor hands it a call over that socket (Supervisor::Start's spares):
 // the rank's stdout and stderr, directory, argv and environment. From then on it is supervised
-// like any other rank: the same keeper, control channel, signals and exit.
+// like any other rank: the same keeper, control channel, signals and exit. A rank whose call
+// keeps it alive (kControlKept) becomes a spare again when its call is over.
 #pragma once
 
 #include <sys/types.h>
@@ -22,6 +23,9 @@ class SpareRank {
   // Starts `options` (its argv, environment and directory) under `keeper`; its descriptors are
   // set here.
   static Result<SpareRank> Start(const std::string& keeper, SpawnOptions options);
+  // A rank that said kControlKept at the end of its call: it waits for another one on
+  // `channel`, the supervisor's end of its control channel.
+  static Result<SpareRank> Kept(KeptProcess process, FileDescriptor channel);
   SpareRank(SpareRank&& other) noexcept = default;
   SpareRank& operator=(SpareRank&&) = delete;
 

@@ -80,8 +80,13 @@ class Supervisor {
   Result<WaitResult> Wait(double max_wait_s = -1);
   // Stops every rank: SIGTERM now, SIGKILL after the grace period. Idempotent.
   void Cancel();
-  // Kills every rank still running, with every process it started, and reaps it, at once.
+  // Kills every rank still running, and every kept rank not released, with every process it
+  // started, and reaps it, at once.
   void KillAndReap();
+  // Once every rank has said kControlKept (each was a spare) and the run did not stop early:
+  // the ranks, in rank order, as spares waiting for their next call. Otherwise none: the kept
+  // ranks end with the supervisor.
+  Result<std::vector<SpareRank>> ReleaseKept();
 
   int world_size() const { return static_cast<int>(ranks_.size()); }
   pid_t pid(int rank) const { return ranks_[static_cast<size_t>(rank)].pid; }
@@ -114,7 +119,9 @@ class Supervisor {
     FileDescriptor control;
     std::string control_buffer;
     bool done = false;
-    std::optional<ExitStatus> exit;
+    bool spare = false;  // its control channel is a socket, on which it can take another call
+    bool kept = false;   // it said kControlKept: its call is over, it waits for the next one
+    std::optional<ExitStatus> exit;  // kept: a success, though it runs on
   };
 
   explicit Supervisor(SupervisorOptions options);
@@ -127,6 +134,7 @@ class Supervisor {
   void DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
   void PumpControl(size_t rank, std::vector<Event>& events);
   void OnExit(size_t rank, std::vector<Event>& events);
+  void OnKept(size_t rank, std::vector<Event>& events);
   void OnFailure(size_t rank);
   bool KilledFromOutsideJustAfterTheFirstFailure(const ExitStatus& exit) const;
   void HandleDeadlines(Clock::time_point now, std::vector<Event>& events);

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping
 
 from .. import _core, backends
+from .._rank import contract
 from .._accelerators import Plan
 from ..backends.base import Launch, Ranks
 from . import hints
@@ -18,6 +19,7 @@ from .paths import RunPaths
 from .preflight import preflight
 from .program import RankProgram
 from .signals import SignalWakeup
+from .spares import KeptRanks
 
 # Whether this process has said that it found no GPU: once is enough, a notebook that calls
 # again knows it by then.
@@ -34,6 +36,7 @@ def run(
     extra_env: Mapping[str, str] | None = None,
     paths: RunPaths | None = None,
     warm: bool = False,
+    keep: KeptRanks | None = None,
 ) -> list[object]:
     """Runs `program` on every rank of `plan`; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
@@ -42,7 +45,8 @@ def run(
     variables still win). `paths` is the run's directory where the caller made it already
     (tracking reads the logs there afterwards), and stays the caller's to close; without it,
     the run makes its own once the plan has passed its checks. `warm`: the ranks may be spares
-    started ahead of the call (_launch/spares.py)."""
+    started ahead of the call (_launch/spares.py). `keep`: the ranks may be the ones this holder
+kept from the last call, and this call's are kept there if it ends well (keep_alive)."""
     preflight(plan)
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -50,8 +54,8 @@ def run(
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
     if paths is None:
         with RunPaths.create(name) as own_paths:
-            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm)
-    return _run_in(paths, name, plan, program, timeout, payload, extra_env, warm)
+            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm, keep)
+    return _run_in(paths, name, plan, program, timeout, payload, extra_env, warm, keep)
 
 
 def _run_in(
@@ -63,6 +67,7 @@ def _run_in(
     payload: bytes | None,
     extra_env: Mapping[str, str] | None,
     warm: bool,
+    keep: KeptRanks | None,
 ) -> list[object]:
     ranks: Ranks | None = None
     try:
@@ -70,9 +75,12 @@ def _run_in(
             paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), payload)
         mux = OutputMux(plan.world_size)
         with SignalWakeup() as wakeup:
-            launch = Launch(program=program, paths=paths, env={**os.environ, **(extra_env or {})}, timeout=timeout,
+            # The first attempt unless extra_env says otherwise, whatever the caller's environment holds.
+            first_attempt = {contract.ENV_RESTART_COUNT: "0", contract.ENV_MAX_RESTARTS: "0"}
+            launch = Launch(program=program, paths=paths, env={**os.environ, **first_attempt, **(extra_env or {})},
+                            timeout=timeout,
                             # A function's rank that ends without its result or its error has failed.
-                            expect_done=payload is not None, wakeup_fd=wakeup.read_fd, warm=warm)
+                            expect_done=payload is not None, wakeup_fd=wakeup.read_fd, warm=warm, keep=keep)
             ranks = backends.for_plan(plan).start(plan, launch)
             timeout_report = TimeoutReport(python=program.python)
             try:

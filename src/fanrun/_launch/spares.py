@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import weakref
 
 from .. import _core
 from .._rank import contract
@@ -80,11 +81,15 @@ class SparePool:
                 self._drop_locked()
                 self._started_with = starting_point
             self._spares = [spare for spare in self._spares if spare.waiting()]
-            if len(self._spares) < count:
-                argv, env = self._spare_command(rank_defaults)
-                for _ in range(count - len(self._spares)):
-                    self._spares.append(_core.SpareRank.start(argv=argv, env=env, cwd=os.getcwd(), keeper=keeper))
+            self._spares += self.start(count - len(self._spares), keeper, rank_defaults)
             self._restart_idle_timer_locked()
+
+    def start(self, count: int, keeper: str, rank_defaults: dict[str, str]) -> list:
+        """`count` spares started now, for the caller to hand their calls (none kept here)."""
+        if count <= 0:
+            return []
+        argv, env = self._spare_command(rank_defaults)
+        return [_core.SpareRank.start(argv=argv, env=env, cwd=os.getcwd(), keeper=keeper) for _ in range(count)]
 
     def drop(self) -> None:
         self._wait_for_filling()
@@ -125,6 +130,67 @@ class SparePool:
             self._idle_timer.cancel()
             self._idle_timer = None
         del spares  # each one's keeper kills it, and is reaped, as it is dropped
+
+
+class KeptRanks:
+    """The ranks that one function's calls keep alive between them (keep_alive=True): after a
+    call that ended well, its ranks in rank order, waiting for the next call. They end after
+    IDLE_TIMEOUT_S unused, with fanrun.cooldown(), with the function, and with the caller."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranks: list = []
+        self._key: tuple | None = None
+        self._idle_timer: threading.Timer | None = None
+        _ALL_KEPT.add(self)
+
+    def take(self, key: tuple) -> list:
+        """The kept ranks, if they were kept for a call like this one and every one still waits."""
+        with self._lock:
+            ranks, self._ranks = self._ranks, []
+            if self._key != (key, _starting_point()) or not all(rank.waiting() for rank in ranks):
+                ranks = []  # dropped: each one's keeper ends it
+            return ranks
+
+    def keep(self, key: tuple, ranks: list) -> None:
+        """`key`: what the next call must share with this one to take these ranks (its plan)."""
+        with self._lock:
+            self._ranks, self._key = ranks, (key, _starting_point())
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self._idle_timer = threading.Timer(IDLE_TIMEOUT_S, _drop_if_alive, args=(weakref.ref(self),))
+            self._idle_timer.daemon = True
+            self._idle_timer.start()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._ranks = []
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [rank.pid for rank in self._ranks if rank.waiting()]
+
+
+def _drop_if_alive(kept: weakref.ref) -> None:
+    ranks = kept()
+    if ranks is not None:
+        ranks.drop()
+
+
+# Every function's kept ranks, for fanrun.cooldown(); a function that is gone takes its own along.
+_ALL_KEPT: weakref.WeakSet[KeptRanks] = weakref.WeakSet()
+
+
+def drop_all_kept() -> None:
+    for kept in list(_ALL_KEPT):
+        kept.drop()
+
+
+def kept_pids() -> list[int]:
+    return [pid for kept in list(_ALL_KEPT) for pid in kept.pids()]
 
 
 def _starting_point() -> tuple:

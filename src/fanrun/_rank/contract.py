@@ -38,6 +38,9 @@ ENV_ACCELERATOR = "FANRUN_ACCELERATOR"  # "gpu" or "cpu"
 ENV_NODE_ID = "FANRUN_NODE_ID"  # the cluster's id of the rank's node (Ray's node id); unset on one machine
 ENV_TRACKING = "FANRUN_MLFLOW"  # what the rank's MLflow does (_rank/tracking.py); unset outside @distributed
 ENV_SPARE = "FANRUN_SPARE_OF"  # in a spare rank's first environment: the pid of the caller it waits for
+ENV_RESTART_COUNT = "FANRUN_RESTART_COUNT"  # which attempt this is: 0, then 1 after the first restart (max_restarts)
+ENV_MAX_RESTARTS = "FANRUN_MAX_RESTARTS"  # how many restarts the call allows
+ENV_KEEP_ALIVE = "FANRUN_KEEP_ALIVE"  # "1": a spare rank that ends its call well stays for the next (CONTROL_KEPT)
 
 # The control channel: a pipe at this descriptor in every rank, one message a line.
 CONTROL_FD = 3
@@ -55,3 +58,6 @@ CONTROL_LOG = "log "
 SPARE_CALL = "call "
 # A spare rank's one line before its call: its imports are done.
 SPARE_READY = "ready"
+# From a rank that was a spare, after CONTROL_DONE: "my output is flushed, my stdout and stderr
+# are no longer the call's, and I wait on my control channel for another call".
+CONTROL_KEPT = "kept"

@@ -1,7 +1,9 @@
 """A spare rank: started before its call, it imports what the call's ranks will (torch, numpy:
 _launch/spares.py chooses), touching no GPU, then waits on its control channel for the call it
 becomes (contract.py, SPARE_CALL): its stdout and stderr, directory, argv and environment.
-From there it runs fanrun's worker exactly as a rank started for the call would.
+From there it runs fanrun's worker exactly as a rank started for the call would. A call with
+keep_alive (contract.py, ENV_KEEP_ALIVE) that ends well leaves it waiting for the next call, in
+the same process (_rank/keep.py).
 
 Started as `python -u -c <bootstrap> <sys.path as JSON> <module,module,...>`, by path like the
 worker, importing only the standard library besides what it preloads."""
@@ -29,26 +31,53 @@ def main() -> None:
             importlib.import_module(name)
         except BaseException:  # noqa: B036 - the rank imports it again, and fails there as a cold rank would
             pass
-    os.write(_contract["CONTROL_FD"], f"{_contract['SPARE_READY']}\n".encode())
-    cwd, argv, env, stdout, stderr = _receive_call()
-    os.dup2(stdout, 1)
-    os.dup2(stderr, 2)
-    os.close(stdout)
-    os.close(stderr)
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    # The call's argv is fanrun's worker: `python -u -c <bootstrap> <mode> [args]`.
-    if argv[1:3] != ["-u", "-c"]:
-        sys.exit(f"fanrun: a spare rank runs fanrun's worker, not {argv!r}")
-    sys.argv = ["-c", *argv[4:]]
-    exec(compile(argv[3], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    _tell(_contract["SPARE_READY"])
+    here = os.path.dirname(__file__)
+    worker = runpy.run_path(os.path.join(here, "worker.py"))
+    keep = None
+    while True:
+        call = _receive_call()
+        if call is None:
+            return  # the caller let it go without another call
+        cwd, argv, env, stdout, stderr = call
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        os.close(stdout)
+        os.close(stderr)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        # The call's argv is fanrun's worker: `python -u -c <bootstrap> <mode> [args]`.
+        if argv[1:3] != ["-u", "-c"] or argv[3] != worker["bootstrap_code"]():
+            sys.exit(f"fanrun: a spare rank runs fanrun's worker, not {argv!r}")
+        sys.argv = ["-c", *argv[4:]]
+        worker["main"]()  # a call that fails exits here
+        if os.environ.get(_contract["ENV_KEEP_ALIVE"]) != "1":
+            return
+        keep = keep or runpy.run_path(os.path.join(here, "keep.py"))
+        keep["end_process_group"]()
+        obstacle = keep["obstacle"]()
+        if obstacle is not None:
+            if os.environ.get("RANK") == "0":
+                print(f"fanrun: the ranks end after this call instead of staying for the next (keep_alive): {obstacle}",
+                      file=sys.stderr, flush=True)
+            return
+        keep["release_output"]()
+        _tell(_contract["CONTROL_KEPT"])
+        keep["tidy"]()
 
 
-def _receive_call() -> tuple[str, list[str], dict[str, str], int, int]:
+def _tell(word: str) -> None:
+    os.write(_contract["CONTROL_FD"], f"{word}\n".encode())
+
+
+def _receive_call() -> tuple[str, list[str], dict[str, str], int, int] | None:
+    """The next call; None once the caller has closed the channel."""
     channel = socket.socket(fileno=_contract["CONTROL_FD"])
     try:
         data, fds, _, _ = socket.recv_fds(channel, 65536, 2)
+        if not data:
+            return None
         head, _, body = data.partition(b"\n")
         word = _contract["SPARE_CALL"].encode()
         if not head.startswith(word) or len(fds) != 2:

@@ -43,6 +43,8 @@ _DONE = f"{_contract.CONTROL_DONE}\n".encode()
 # The status the rank exits with: 0 once its result is written, the error's code once its
 # error is; 1 if the worker itself fails before either.
 _exit_status = 1
+# Whether the exit handler and the stack dumps are set up: once per process, kept or not.
+_handlers_installed = False
 
 
 def bootstrap_code() -> str:
@@ -51,19 +53,27 @@ def bootstrap_code() -> str:
 
 
 def main() -> None:
-    global _exit_status
-    # Registered first, so that it runs last, after every handler the function registers.
-    atexit.register(_exit_before_teardown)
-    faulthandler.enable(all_threads=True)
-    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
+    """Runs the call of sys.argv and os.environ; once per process, or once per call of a rank
+    kept between calls (_rank/spare.py)."""
+    global _exit_status, _handlers_installed
+    _exit_status = 1
+    if not _handlers_installed:
+        _handlers_installed = True
+        # Registered first, so that it runs last, after every handler the function registers.
+        atexit.register(_exit_before_teardown)
+        faulthandler.enable(all_threads=True)
+        faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
     control_fd = os.environ.get(_contract.ENV_CONTROL_FD)
     if control_fd:
         # Processes this rank starts must not hold the engine's channel open.
         os.set_inheritable(int(control_fd), False)
+    tracking_hooks = []
     if os.environ.get(_contract.ENV_TRACKING):
         # A call of @distributed: when the function imports mlflow, the call's run becomes
         # active there, or MLflow logs nowhere if the call is not tracked.
+        before = list(sys.meta_path)
         _sibling("tracking.py")["install"]()
+        tracking_hooks = [hook for hook in sys.meta_path if not any(hook is old for old in before)]
     mode = sys.argv[1]
     run_dir = Path(os.environ[_contract.ENV_RUN_DIR])
     rank = int(os.environ["RANK"])
@@ -71,6 +81,8 @@ def main() -> None:
         _run_function(run_dir, rank)
     else:
         _run_program(mode, sys.argv[2], sys.argv[3:], run_dir, rank)
+    # Tracking's hook, where this call never imported mlflow, must not wait for the next call.
+    sys.meta_path[:] = [hook for hook in sys.meta_path if not any(hook is own for own in tracking_hooks)]
     _exit_status = 0
 
 

@@ -142,7 +142,7 @@ class _CallRun:
         parent_id = active.info.run_id if active is not None else (os.environ.get("MLFLOW_RUN_ID") or None)
         self._call = {
             "function_name": function_name,
-            "run_name": f"{function_name}-{secrets.token_hex(3)}",
+            "run_name": getattr(options, "run_name", None) or f"{function_name}-{secrets.token_hex(3)}",
             "params": _parameters(function_name, plan, options),
             "experiment_name": options.experiment_name,
             "run_id": options.run_id,

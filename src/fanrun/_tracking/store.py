@@ -18,7 +18,6 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .._errors import UnsafePathError
 from .._private_dir import open_private, open_private_dir
 
 # How long a call waits for a recorded `fanrun ui` server to answer before it names the command instead.

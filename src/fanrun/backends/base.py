@@ -11,6 +11,7 @@ from .. import _core
 from .._accelerators import Plan
 from .._launch.paths import RunPaths
 from .._launch.program import RankProgram
+from .._launch.spares import KeptRanks
 
 # From SIGTERM to SIGKILL when the run stops early.
 KILL_GRACE_S = 5.0
@@ -34,6 +35,9 @@ class Launch:
     expect_done: bool  # a function's ranks report "done" once their result is written
     wakeup_fd: int  # a descriptor that a signal makes readable: wait() then returns "interrupted"
     warm: bool = False  # ranks may be spare ones, started ahead (_launch/spares.py), where the backend has them
+    # keep_alive: the ranks the function's last call kept, and where this call's ranks are kept
+    # once it ends well (_launch/spares.py).
+    keep: KeptRanks | None = None
 
 
 class Ranks(Protocol):

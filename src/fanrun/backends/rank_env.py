@@ -53,6 +53,7 @@ def rank_environment(
         env.setdefault("GLOO_SOCKET_IFNAME", layout.interface)
         env.setdefault("NCCL_SOCKET_IFNAME", layout.interface)
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    env.pop(contract.ENV_KEEP_ALIVE, None)  # a call made from inside a kept rank keeps nothing unless asked
     local_rank = rank - layout.first_rank
     env.update(
         RANK=str(rank),
@@ -66,8 +67,9 @@ def rank_environment(
         ROLE_RANK=str(rank),
         ROLE_WORLD_SIZE=str(layout.world_size),
         TORCHELASTIC_RUN_ID=paths.run_id,
-        TORCHELASTIC_RESTART_COUNT="0",
-        TORCHELASTIC_MAX_RESTARTS="0",
+        # torchrun's names for fanrun's attempt count and restart limit (run.run sets both).
+        TORCHELASTIC_RESTART_COUNT=env.get(contract.ENV_RESTART_COUNT, "0"),
+        TORCHELASTIC_MAX_RESTARTS=env.get(contract.ENV_MAX_RESTARTS, "0"),
     )
     env[contract.ENV_RUN_ID] = paths.run_id
     env[contract.ENV_RUN_DIR] = str(paths.directory)

@@ -1,0 +1,104 @@
+"""`fanrun submit`, `list`, `logs`, `attach`, `cancel`: detached runs from a shell (_runs/)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# What `fanrun attach` exits with, by the run's status: a script can tell how the run ended.
+EXIT_STATUS = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}
+COMMANDS = ("submit", "list", "logs", "attach", "cancel")
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    submit = commands.add_parser(
+        "submit", help="start a detached run from a workload file",
+        description="Starts the run a workload file describes (docs/detached.md) and prints its id; it goes on "
+        "when this command ends. A mistake in the file is an error before anything starts, naming its line.")
+    submit.add_argument("workload", metavar="WORKLOAD", help="the workload file (YAML)")
+    submit.add_argument("--watch", action="store_true", help="follow the run to its end, as `fanrun attach` does")
+    submit.add_argument("--dry-run", action="store_true", help="check the file and show what would run; start nothing")
+    submit.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                        help="replace a field of the file, such as compute.num_accelerators=4 (repeatable)")
+    submit.add_argument("--idempotency-key", default=None, metavar="KEY",
+                        help="a run already submitted with this key is returned instead of a new one")
+    listing = commands.add_parser("list", help="your detached runs (@distributed(detach=True))",
+                                  description="Your detached runs still queued or running; --all: every one.")
+    listing.add_argument("--all", action="store_true", help="also the runs that have ended")
+    logs = commands.add_parser("logs", help="a detached run's output", description="Prints a detached run's output.")
+    logs.add_argument("run", metavar="RUN", help="the run's id, as `fanrun list` shows it")
+    logs.add_argument("--rank", type=int, default=None, help="that rank's lines alone")
+    logs.add_argument("-f", "--follow", action="store_true", help="go on printing as it comes, until the run ends")
+    attach = commands.add_parser(
+        "attach", help="follow a detached run to its end",
+        description="Prints a detached run's output from its start, then as it comes; exits when the run ends, "
+        "with 0 if it finished, 1 if it failed, 130 if it was cancelled.")
+    attach.add_argument("run", metavar="RUN", help="the run's id")
+    cancel = commands.add_parser("cancel", help="stop a detached run", description="Stops a detached run's ranks.")
+    cancel.add_argument("run", metavar="RUN", help="the run's id")
+
+
+def main(options: argparse.Namespace) -> int:
+    from ._errors import UnknownRunError
+    from ._runs import run as runs
+
+    try:
+        if options.command == "submit":
+            return _submit(options)
+        if options.command == "list":
+            for run in runs.runs(all=options.all):
+                print(runs.describe(run))
+            return 0
+        run = runs.Run(options.run)
+        if options.command == "logs":
+            if options.follow:
+                run.logs(rank=options.rank, follow=True)
+            else:
+                sys.stdout.write(run.logs(rank=options.rank))
+            return 0
+        if options.command == "attach":
+            run.logs(follow=True)
+            status = run.wait()
+        else:
+            status = run.cancel()
+        print(f"fanrun: run {run.id} {status}{_reason(run)}", file=sys.stderr)
+        return EXIT_STATUS.get(status, 1) if options.command == "attach" else 0
+    except UnknownRunError as error:
+        print(f"fanrun: {error}", file=sys.stderr)
+        return 2
+
+
+def _submit(options: argparse.Namespace) -> int:
+    from ._accelerators import plan_run, detect
+    from ._launch import preflight
+    from ._runs import run as runs
+    from ._runs.workload import WorkloadError, load
+
+    try:
+        workload = load(options.workload, options.override)
+        plan = plan_run(workload.options.num_accelerators, workload.options.accelerator, detect())
+        preflight.preflight(plan)
+    except (WorkloadError, ValueError, TypeError) as error:
+        print(f"fanrun: {error}", file=sys.stderr)
+        return 2
+    if options.dry_run:
+        what = workload.program.argv[4:] if workload.program and workload.program.python else (
+            workload.program.argv if workload.program else [f"{workload.fields['function']}(**{workload.fields.get('kwargs') or {}})"])
+        print(f"would run {' '.join(map(str, what))} on {plan.description}, max_retries {workload.options.max_restarts}, "
+              f"timeout {'none' if workload.options.timeout is None else f'{workload.options.timeout:g} s'}")
+        return 0
+    cwd = os.path.dirname(os.path.abspath(options.workload))
+    run = runs.submit(workload, cwd=cwd, idempotency_key=options.idempotency_key)
+    print(run.id, flush=True)
+    if not options.watch:
+        return 0
+    run.logs(follow=True)
+    status = run.wait()
+    print(f"fanrun: run {run.id} {status}{_reason(run)}", file=sys.stderr)
+    return EXIT_STATUS.get(status, 1)
+
+
+def _reason(run) -> str:
+    reason = run.info.get("reason")
+    return f": {reason}" if reason else ""

@@ -1,0 +1,206 @@
+"""fanrun.Run, fanrun.attach and fanrun.runs: the handle of a detached run, from the process
+that started it or from any other process of the same user."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .._errors import FanrunError, RemoteTraceback, RunCancelledError
+from . import store, stream
+
+# How long start() waits for the runner to be up (its imports: fanrun, cloudpickle).
+RUNNER_START_S = 60.0
+# How long cancel() waits for the runner to stop the ranks (their grace period) and record it.
+CANCEL_WAIT_S = 30.0
+
+
+class Run:
+    """A detached run: its status, logs and outcome; `.cancel()` stops it."""
+
+    def __init__(self, run_id: str) -> None:
+        self._directory = store.find(run_id)
+        self.id = run_id
+
+    @property
+    def status(self) -> str:
+        """QUEUED, RUNNING, FINISHED, FAILED or KILLED."""
+        return store.state(self._directory)["status"]
+
+    @property
+    def info(self) -> dict:
+        """The whole recorded state: status, times, the reason it failed, its rank logs' directory."""
+        return store.state(self._directory)
+
+    def logs(self, rank: int | None = None, follow: bool = False) -> str | None:
+        """The call's output so far, as a blocking call shows it (rank=N: that rank's full log).
+        With follow=True, it is written here as it comes, until the run ends; returns None."""
+        if follow:
+            stream.follow(self._directory, rank=rank)
+            return None
+        if rank is None:
+            data = store.read_bytes(self._directory, store.OUTPUT) or b""
+        else:
+            data = self._rank_log(rank)
+        return data.decode("utf-8", "replace")
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Blocks until the run has ended, or `timeout` seconds have passed; returns its status."""
+        state = store.state(self._directory)
+        if state["status"] in store.FINAL:
+            return state["status"]
+        runner = store.read_json(self._directory, store.RUNNER)
+        if runner is not None:
+            _wait_for_process(runner["pid"], runner["start"], timeout)
+        return store.state(self._directory)["status"]
+
+    def result(self, timeout: float | None = None) -> list:
+        """The ranks' values, in rank order, once the run has ended; or the exception a blocking
+        call would have raised (RunCancelledError for a cancelled run)."""
+        status = self.wait(timeout)
+        if status not in store.FINAL:
+            raise TimeoutError(f"run {self.id} is still {status} after {timeout:g} s")
+        data = store.read_bytes(self._directory, store.OUTCOME)
+        if data is None:
+            raise FanrunError(f"run {self.id} ended {status} without an outcome: {self.info.get('reason')}")
+        outcome = pickle.loads(data)
+        if "results" in outcome:
+            return outcome["results"]
+        if outcome.get("cancelled"):
+            raise RunCancelledError(f"run {self.id} was cancelled")
+        error = pickle.loads(outcome["exception"]) if outcome["exception"] is not None else None
+        if error is None:
+            raise FanrunError(f"run {self.id} failed with an exception that could not be carried over "
+                              f"({outcome['type']}):\n{outcome['text']}")
+        if outcome["cause"] is not None:
+            raise error from RemoteTraceback(outcome["cause"])
+        raise error
+
+    def cancel(self) -> str:
+        """Stops the run's ranks, as Ctrl+C stops a blocking call's; returns once it has ended."""
+        runner = store.read_json(self._directory, store.RUNNER)
+        if runner is not None and store.state(self._directory)["status"] not in store.FINAL:
+            # Only the runner recorded for this run, not a later process with its pid.
+            if store.process_start(runner["pid"]) == runner["start"]:
+                try:
+                    os.kill(runner["pid"], signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        return self.wait(CANCEL_WAIT_S)
+
+    def _rank_log(self, rank: int) -> bytes:
+        run_dir = self.info.get("run_dir")
+        if run_dir is None:
+            return b""
+        try:
+            with open(Path(run_dir) / f"rank_{int(rank)}.log", "rb") as log:
+                return log.read()
+        except FileNotFoundError:
+            return b""
+
+    def __repr__(self) -> str:
+        return f"<fanrun.Run {self.id} {self.status}>"
+
+
+def submit(workload, *, cwd: str, idempotency_key: str | None = None) -> Run:
+    """Starts a workload file's run (workload.py) in `cwd`; with an idempotency key that a run has
+    already claimed, returns that run instead and starts nothing."""
+    directory = store.create(workload.name)
+    if idempotency_key is not None:
+        claimed = store.claim_key(idempotency_key, directory.name)
+        if claimed != directory.name:
+            store.remove_unstarted(directory)
+            return Run(claimed)
+    return start(workload.name, workload.payload, workload.options, program=workload.program, env=workload.env,
+                 cwd=cwd, directory=directory)
+
+
+def start(name: str, payload: bytes | None, options, *, program=None, env: dict[str, str] | None = None,
+          cwd: str | None = None, directory: Path | None = None) -> Run:
+    """Starts a runner for the call (or for `program`, a script or a program, without a payload),
+    with `env` added to its ranks' environment, in `cwd` (default: this one); returns once the
+    runner is up, with the run's handle. `directory`: the run's, made already (store.create)."""
+    directory = directory or store.create(name)
+    spec = {"name": name, "payload": payload, "options": options, "program": program, "env": env or {},
+            "sys_path": list(sys.path), "cwd": cwd or os.getcwd()}
+    store.write_bytes(directory, store.SPEC, pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+    store.update_state(directory, status=store.QUEUED, name=name, created=time.time())
+    # This fanrun, whatever the caller's sys.path; the runner takes the caller's once it runs.
+    bootstrap = f"import sys; sys.path.insert(0, {_package_parent()!r}); from fanrun._runs.runner import main; main()"
+    runner = subprocess.Popen(
+        [sys.executable, "-c", bootstrap, str(directory)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,  # neither the caller's Ctrl+C nor its end reaches the run
+    )
+    ready = _read_ready(runner)
+    if ready != b"ready\n":
+        runner.kill()
+        error = runner.communicate()[1].decode(errors="replace")
+        store.update_state(directory, status=store.FAILED, reason="its runner did not start", ended=time.time())
+        raise RuntimeError(f"fanrun: the run's runner did not start:\n{error}")
+    runner.stdout.close()
+    runner.stderr.close()
+    # Reaped when it ends, so that it leaves no zombie behind in a caller that lives on.
+    threading.Thread(target=runner.wait, name="fanrun-runner-reaper", daemon=True).start()
+    return Run(directory.name)
+
+
+def attach(run_id: str) -> Run:
+    """Writes the run's output here, from its start, as it comes, until it ends; returns its Run."""
+    run = Run(run_id)
+    run.logs(follow=True)
+    return run
+
+
+def runs(all: bool = False) -> list[Run]:  # noqa: A002 - the CLI's --all
+    """This user's detached runs, oldest first: those not ended yet, or every one with all=True."""
+    found = [Run(directory.name) for directory in store.all_runs()]
+    return found if all else [run for run in found if run.status not in store.FINAL]
+
+
+def describe(run: Run) -> str:
+    """One line of `fanrun list`."""
+    info = run.info
+    started = datetime.datetime.fromtimestamp(info.get("created", 0)).strftime("%Y-%m-%d %H:%M:%S")
+    ended = info.get("ended")
+    took = f"{(ended or time.time()) - info.get('created', 0):.0f} s"
+    reason = f"  {info['reason']}" if info.get("reason") else ""
+    return f"{run.id}  {info['status']:<8}  {started}  {took:>8}{reason}"
+
+
+def _package_parent() -> str:
+    """Where the runner finds this fanrun, whatever the caller's sys.path."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def _read_ready(runner: subprocess.Popen) -> bytes:
+    """The runner's first line, or b"" if it ended or took longer than RUNNER_START_S."""
+    poller = select.poll()
+    poller.register(runner.stdout, select.POLLIN)
+    if not poller.poll(RUNNER_START_S * 1000):
+        return b""
+    return runner.stdout.readline()
+
+
+def _wait_for_process(pid: int, start: int, timeout: float | None) -> None:
+    """Until process `pid` (the one that started at `start`) has ended, or `timeout` has passed."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if store.process_start(pid) != start:
+            return  # another process has its pid now: the runner has ended
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.poll(None if timeout is None else max(0, int(timeout * 1000)))
+    finally:
+        os.close(pidfd)
