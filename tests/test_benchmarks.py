@@ -23,7 +23,7 @@ SMOKE_RUNS = {
     # make test-python installs nginx, so the HTTP rows run too.
     "data.py": ([], ["method ", "volume, cold disk", "webdataset", "streaming", "volume (http, cold)",
                      "webdataset (http, cold)", "Goals"]),
-    "gpu_checks.py": ([], ["== DDP demo", "== warm calls: cold call", "== rank 1 raises mid-training: RuntimeError",
+    "gpu_checks.py": ([], ["== DDP demo", "== warm calls: cold call", "== kept calls: first call", "== rank 1 raises mid-training: RuntimeError",
                            "is SIGKILLed mid-training: RankFailedError", "hangs, rank 0 waits in gloo (timeout=10 s): TimeoutError"]),
     "launch.py": ([], ["Launch wall time", "tracked/fanrun", "fanrun/mp.spawn", "fanrun/torchrun", "fanrun/notebook_launcher",
                        "warm/notebook_launcher", "warm launch wall time at most 2x notebook_launcher's on CPUs",
@@ -33,6 +33,8 @@ SMOKE_RUNS = {
     "ray.py": ([], ["Whole call", "fanrun/TorchTrainer", "Failure latency", "Training throughput", "Goals:"]),
     "ray_gpu.py": ([], ["DDP example, 3 epochs, 2 ranks, gloo on CPUs", "rank 1 on cpu", "losses equal"]),
     "read_through.py": (["--dir", "{tmp}"], ["cat x2:", "whole x2:", "read_through x2:"]),
+    "restart.py": ([], ["seconds from the death of rank 1 to the next attempt's first step", "  fanrun ",
+                        "Goal: restart latency at most 0.5x torchrun's"]),
     "results.py": ([], ["cost of returning s", "torch.save+load s", "Goal: returning costs at most 1.5x"]),
     "throughput.py": ([], ["fanrun/torchrun", "ddp ", "fsdp "]),
     "tracking.py": ([], ["| mode |", "log_metric every step (fanrun's default)", "vs off"]),

@@ -264,3 +264,21 @@ def test_dry_run_and_overrides(tmp_path):
     assert done.stdout.startswith("would run job:train(**{'steps': 3}) on 1 CPU process, max_retries 3, timeout none")
     bad = submit(tmp_path, "--override", "compute.num_accelerators=0")
     assert bad.returncode == 2 and "--override compute.num_accelerators: must be a positive whole number" in bad.stderr
+
+
+@distributed(num_accelerators=2, max_restarts=1)
+def dies_once():
+    import os
+
+    attempt = int(os.environ["FANRUN_RESTART_COUNT"])
+    if attempt == 0 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), 9)
+    with open("/proc/self/environ", "rb") as environ:  # as the process started: a spare's says so
+        was_a_spare = b"FANRUN_SPARE_OF=" in environ.read()
+    return attempt, was_a_spare
+
+
+def test_a_restart_takes_ranks_started_while_the_first_attempt_ran(capfd):
+    assert dies_once.distributed() == [(1, True), (1, True)]
+    _, err = capfd.readouterr()
+    assert "attempt 1 of 2 failed (RankFailedError: Rank 1 of 2" in err

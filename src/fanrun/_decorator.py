@@ -16,6 +16,8 @@ from ._tracking import caller as call_tracking
 from ._launch import gpu_locks, preflight, program, run, spares
 from ._launch.paths import RunPaths
 from ._rank import contract
+from .backends import local as local_backend
+from .backends.rank_env import RANK_DEFAULTS
 from ._accelerators import AcceleratorRequest
 
 if TYPE_CHECKING:
@@ -118,16 +120,25 @@ def run_call(payload: bytes | None, name: str, options: Options, plan: _accelera
     returns the ranks' values or raises the root cause. A failed attempt starts every rank again,
     up to options.max_restarts times. `on_paths` learns each attempt's run directory."""
     call = _Call(payload, rank_program or program.RankProgram.function(), name, dict(env or {}), kept, on_paths)
-    for attempt in range(options.max_restarts + 1):
-        try:
-            return _attempt(call, options, plan, inventory, attempt)
-        except Exception as error:  # an interrupt is never retried
-            if attempt == options.max_restarts:
-                raise
-            first_line = (str(error).splitlines() or [""])[0]
-            print(f"fanrun: attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
-                  f"{first_line}); starting every rank again", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
+    warm = spares.warm(options.warm)
+    restarts_warm = options.max_restarts > 0 and plan.backend == "local" and call.rank_program.python
+    if restarts_warm:
+        # A restart takes spares whose imports are done: they start now, while the first attempt runs.
+        spares.POOL.fill_soon(plan.world_size, local_backend.KEEPER, RANK_DEFAULTS)
+    try:
+        for attempt in range(options.max_restarts + 1):
+            try:
+                return _attempt(call, options, plan, inventory, attempt, warm=warm or (restarts_warm and attempt > 0))
+            except Exception as error:  # an interrupt is never retried
+                if attempt == options.max_restarts:
+                    raise
+                first_line = (str(error).splitlines() or [""])[0]
+                print(f"fanrun: attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
+                      f"{first_line}); starting every rank again", file=sys.stderr, flush=True)
+        raise AssertionError("unreachable")
+    finally:
+        if restarts_warm and not warm:
+            spares.POOL.drop()  # started for restarts alone: they do not outlive the call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +152,7 @@ class _Call:
 
 
 def _attempt(call: _Call, options: Options, plan: _accelerators.Plan, inventory: _accelerators.Inventory | None,
-             attempt: int) -> list:
+             attempt: int, *, warm: bool) -> list:
     # The GPUs the ranks get, in rank order: the ones the run's system metrics describe. (A
     # cluster's GPUs are the nodes' own: this machine samples none of them.) They are this call's
     # alone while it runs: a call that holds them already goes first.
@@ -164,7 +175,7 @@ def _attempt(call: _Call, options: Options, plan: _accelerators.Plan, inventory:
                     payload=call.payload,
                     extra_env={**call.env, **tracked.rank_env, **restarts},
                     paths=paths,
-                    warm=spares.warm(options.warm),
+                    warm=warm,
                     keep=call.kept,
                 )
 

@@ -1,0 +1,129 @@
+"""Restart latency: from a rank's death to the next attempt's first training step, with fanrun's
+max_restarts against torchrun's --max-restarts, on the same machine in one run.
+
+Each rank joins the process group, takes a first step (an all-reduce) and notes its time, then
+keeps stepping. In the first attempt, the last rank notes the time and SIGKILLs itself after its
+first step. The figure is the latest first step of the second attempt's ranks minus that death.
+Goal: fanrun at most 0.5x torchrun's.
+
+    python benchmarks/restart.py [--ranks 2] [--repeat 3] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GOAL = 0.5
+# How long the surviving ranks keep stepping before they give up on their own (they are stopped
+# long before: a launcher that did not notice the death would show as a hang).
+STEP_FOR_S = 60.0
+
+
+def train(directory: str) -> None:
+    """One rank of one attempt."""
+    import torch
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("FANRUN_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    value = torch.ones(1, device="cuda" if on_gpu else "cpu")
+    dist.all_reduce(value)
+    if on_gpu:
+        torch.cuda.synchronize()
+    Path(directory, f"step-{attempt}-{rank}").write_text(repr(time.time()))
+    if attempt == 0 and rank == world_size - 1:
+        Path(directory, "died").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if attempt > 0:
+        dist.destroy_process_group()
+        return
+    deadline = time.monotonic() + STEP_FOR_S
+    while time.monotonic() < deadline:
+        dist.all_reduce(value)  # fails once the killed rank's connections are gone
+        time.sleep(0.01)
+
+
+def latency(directory: str, ranks: int) -> float:
+    died = float(Path(directory, "died").read_text())
+    return max(float(Path(directory, f"step-1-{rank}").read_text()) for rank in range(ranks)) - died
+
+
+def under_fanrun(ranks: int, directory: str) -> float:
+    from fanrun import distributed
+
+    distributed(num_accelerators=ranks, tracking=False, max_restarts=1)(train).distributed(directory)
+    return latency(directory, ranks)
+
+
+# A restart that has not reached its first step after this long has failed.
+CALL_TIMEOUT_S = 120.0
+
+
+class RestartFailed(Exception):
+    """The launcher did not bring the second attempt to its first step."""
+
+
+def under_torchrun(ranks: int, directory: str) -> float:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "--max-restarts=1", __file__, "--worker", directory]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RestartFailed(f"no end after {CALL_TIMEOUT_S:g} s") from None
+    if not all(Path(directory, f"step-1-{rank}").exists() for rank in range(ranks)):
+        reason = next((line.strip() for line in done.stderr.splitlines() if "Error" in line), f"exit {done.returncode}")
+        raise RestartFailed(f"the second attempt never stepped: {reason[:300]}")
+    return latency(directory, ranks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="one round: that every path still runs (its figures mean nothing)")
+    args = parser.parse_args()
+    if args.worker:  # a torchrun rank
+        train(args.worker)
+        return
+    if args.smoke:
+        args.repeat = 1
+    os.environ.pop("FANRUN_RESTART_COUNT", None)
+    print(f"{args.ranks} ranks; {args.repeat} rounds, alternating; seconds from the death of rank {args.ranks - 1} "
+          f"to the next attempt's first step", flush=True)
+    times: dict[str, list[float]] = {"fanrun": [], "torchrun": []}
+    failures: dict[str, str] = {}
+    for _ in range(args.repeat):
+        for name, run in (("fanrun", under_fanrun), ("torchrun", under_torchrun)):
+            if name in failures:
+                continue  # a launcher that could not restart once is not retried
+            with tempfile.TemporaryDirectory(prefix="fanrun-restart-bench-") as directory:
+                try:
+                    times[name].append(run(args.ranks, directory))
+                except RestartFailed as error:
+                    failures[name] = str(error)
+    for name, values in times.items():
+        shown = f"{statistics.median(values):7.3f} s   ({', '.join(f'{v:.3f}' for v in values)})" if values else "  -"
+        print(f"  {name:<9} {shown}{f'   FAILED: {failures[name]}' if name in failures else ''}")
+    if times["fanrun"] and times["torchrun"]:
+        ratio = statistics.median(times["fanrun"]) / statistics.median(times["torchrun"])
+        print(f"fanrun/torchrun {ratio:.2f}x")
+        print(f"Goal: restart latency at most {GOAL}x torchrun's: {'met' if ratio <= GOAL else 'NOT MET'}")
+    else:
+        print(f"Goal: restart latency at most {GOAL}x torchrun's: UNKNOWN (a launcher did not restart)")
+
+
+if __name__ == "__main__":
+    main()
