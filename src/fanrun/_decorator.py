@@ -6,18 +6,12 @@ import dataclasses
 import functools
 import math
 import numbers
-import sys
 import warnings
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
-from . import _accelerators, _errors, _payload
+from . import _accelerators, _call, _errors, _payload
 from ._tracking import caller as call_tracking
-from ._launch import gpu_locks, preflight, program, run, spares
-from ._launch.paths import RunPaths
-from ._rank import contract
-from .backends import local as local_backend
-from .backends.rank_env import RANK_DEFAULTS
+from ._launch import preflight, spares
 from ._accelerators import AcceleratorRequest
 
 if TYPE_CHECKING:
@@ -82,7 +76,7 @@ class DistributedFunction(Generic[R]):
 
     def _run(self, args: tuple, kwargs: dict) -> list[R] | Run:
         options = self._options
-        plan, inventory = plan_for(options)
+        plan, inventory = _call.plan_for(options)
         # Before the MLflow run starts: a call that cannot start leaves no trace.
         preflight.preflight(plan)
         payload = _payload.serialize_call(self._fn, args, kwargs)
@@ -91,97 +85,10 @@ class DistributedFunction(Generic[R]):
             from ._runs import run as detached
 
             return detached.start(name, payload, options)
-        return run_call(payload, name, options, plan, inventory, kept=self._kept)
+        return _call.run_call(payload, name, options, plan, inventory, kept=self._kept)
 
     def __repr__(self) -> str:
         return f"<fanrun.distributed {getattr(self._fn, '__qualname__', self._fn)!r}>"
-
-
-def plan_for(options: Options) -> tuple[_accelerators.Plan, _accelerators.Inventory | None]:
-    """The call's plan, checked against the machine (or the cluster), and this machine's inventory."""
-    if _backend_for(options) == "ray":
-        from .backends import ray as ray_backend
-
-        if options.keep_alive:
-            raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; a call through "
-                             "Ray starts its ranks afresh: drop keep_alive=True, or call without Ray")
-        plan = ray_backend.plan(options.num_accelerators, options.accelerator, options.nodes or 1, options.placement_timeout)
-        return plan, None
-    inventory = _accelerators.detect()
-    return _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory), inventory
-
-
-def run_call(payload: bytes | None, name: str, options: Options, plan: _accelerators.Plan,
-             inventory: _accelerators.Inventory | None, *, rank_program: program.RankProgram | None = None,
-             env: Mapping[str, str] | None = None, kept: spares.KeptRanks | None = None,
-             on_paths: Callable[[RunPaths], None] | None = None) -> list:
-    """Runs a serialized call (or, without one, `rank_program`: a script, a module, a program) on
-    every rank of `plan`, tracked as `options` say, with `env` added to the ranks' environment;
-    returns the ranks' values or raises the root cause. A failed attempt starts every rank again,
-    up to options.max_restarts times. `on_paths` learns each attempt's run directory."""
-    call = _Call(payload, rank_program or program.RankProgram.function(), name, dict(env or {}), kept, on_paths)
-    warm = spares.warm(options.warm)
-    restarts_warm = options.max_restarts > 0 and plan.backend == "local" and call.rank_program.python
-    if restarts_warm:
-        # A restart takes spares whose imports are done: they start now, while the first attempt runs.
-        spares.POOL.fill_soon(plan.world_size, local_backend.KEEPER, RANK_DEFAULTS)
-    try:
-        for attempt in range(options.max_restarts + 1):
-            try:
-                return _attempt(call, options, plan, inventory, attempt, warm=warm or (restarts_warm and attempt > 0))
-            except Exception as error:  # an interrupt is never retried
-                if attempt == options.max_restarts:
-                    raise
-                first_line = (str(error).splitlines() or [""])[0]
-                print(f"fanrun: attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
-                      f"{first_line}); starting every rank again", file=sys.stderr, flush=True)
-        raise AssertionError("unreachable")
-    finally:
-        if restarts_warm and not warm:
-            spares.POOL.drop()  # started for restarts alone: they do not outlive the call
-
-
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    payload: bytes | None
-    rank_program: program.RankProgram
-    name: str
-    env: dict[str, str]
-    kept: spares.KeptRanks | None
-    on_paths: Callable[[RunPaths], None] | None
-
-
-def _attempt(call: _Call, options: Options, plan: _accelerators.Plan, inventory: _accelerators.Inventory | None,
-             attempt: int, *, warm: bool) -> list:
-    # The GPUs the ranks get, in rank order: the ones the run's system metrics describe. (A
-    # cluster's GPUs are the nodes' own: this machine samples none of them.) They are this call's
-    # alone while it runs: a call that holds them already goes first.
-    gpus = inventory.visible[: plan.world_size] if inventory and plan.use_gpus else ()
-    with gpu_locks.hold(gpus, holder=repr(call.name), on_busy=_say):
-        # The MLflow run starts once the GPUs are free, and ends with the call's outcome.
-        gpu_indices = [gpu.nvml_index for gpu in gpus]
-        with call_tracking.track(function_name=call.name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
-            # One run directory, for the launcher and for tracking, which uploads its logs.
-            with RunPaths.create(call.name) as paths:
-                tracked.paths = paths
-                if call.on_paths is not None:
-                    call.on_paths(paths)
-                restarts = {contract.ENV_RESTART_COUNT: str(attempt), contract.ENV_MAX_RESTARTS: str(options.max_restarts)}
-                return run.run(
-                    name=call.name,
-                    plan=plan,
-                    program=call.rank_program,
-                    timeout=options.timeout,
-                    payload=call.payload,
-                    extra_env={**call.env, **tracked.rank_env, **restarts},
-                    paths=paths,
-                    warm=warm,
-                    keep=call.kept,
-                )
-
-
-def _say(text: str) -> None:
-    print(f"fanrun: {text}", file=sys.stderr, flush=True)
 
 
 def distributed(
@@ -367,21 +274,3 @@ def _check_cluster(nodes: Any, backend: Any, placement_timeout: Any, num_acceler
     if isinstance(placement_timeout, bool) or not isinstance(placement_timeout, numbers.Real) or not placement_timeout > 0:
         raise ValueError(f"placement_timeout must be a positive number of seconds, not {placement_timeout!r}")
     return {"nodes": None if nodes is None else int(nodes), "backend": backend, "placement_timeout": float(placement_timeout)}
-
-
-def _backend_for(options: Options) -> str:
-    """Where this call runs: Ray when asked, or when connected and nodes is given; else here."""
-    from .backends.ray.connect import is_connected
-
-    if options.backend is not None:
-        return options.backend
-    if options.nodes is None:
-        return "local"
-    if is_connected():
-        return "ray"
-    if options.nodes == 1:
-        return "local"
-    raise ValueError(
-        f"nodes={options.nodes} spreads the ranks over {options.nodes} machines of a Ray cluster, and this "
-        f"process is connected to none: call fanrun.ray_init() first (or pass backend='ray', which does)"
-    )

@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .. import _decorator
+from .. import _call
 from .._errors import RemoteTraceback, raised_for_the_caller
 from . import store, stream
 
@@ -70,15 +70,15 @@ def _run(spec: dict, directory: Path) -> tuple[str, bytes, str]:
 
     options = spec["options"]
     try:
-        plan, inventory = _decorator.plan_for(options)
+        plan, inventory = _call.plan_for(options)
 
         def record(paths) -> None:
             # Each attempt, once its GPUs are free: QUEUED until then.
             store.update_state(directory, status=store.RUNNING, started=time.time(), run_dir=str(paths.directory),
                                world_size=plan.world_size)
 
-        results = _decorator.run_call(spec["payload"], spec["name"], options, plan, inventory,
-                                      rank_program=spec["program"], env=spec["env"], on_paths=record)
+        results = _call.run_call(spec["payload"], spec["name"], options, plan, inventory,
+                                 rank_program=spec["program"], env=spec["env"], on_paths=record)
     except Cancelled:
         print("fanrun: the run was cancelled; its ranks were stopped", file=sys.stderr)
         return store.KILLED, cloudpickle.dumps({"cancelled": True}), "cancelled"
