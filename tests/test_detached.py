@@ -43,6 +43,8 @@ def test_a_detached_call_returns_a_run_at_once_whose_result_is_the_ranks_values(
     assert isinstance(run, fanrun.Run) and time.monotonic() - started < 10
     assert run.status in ("QUEUED", "RUNNING")
     assert run.id in [r.id for r in fanrun.runs()]
+    with pytest.raises(TimeoutError, match=r"is still (QUEUED|RUNNING): after 0.2 s"):
+        run.result(timeout=0.2)
     gate.touch()
     assert run.result(timeout=60) == [3, 4]
     assert run.status == "FINISHED" and run.info["world_size"] == 2

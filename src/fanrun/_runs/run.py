@@ -67,7 +67,8 @@ class Run:
         call would have raised (RunCancelledError for a cancelled run)."""
         status = self.wait(timeout)
         if status not in store.FINAL:
-            raise TimeoutError(f"run {self.id} is still {status} after {timeout:g} s")
+            waited = "its runner is still starting" if timeout is None else f"after {timeout:g} s"
+            raise TimeoutError(f"run {self.id} is still {status}: {waited}")
         data = store.read_bytes(self._directory, store.OUTCOME)
         if data is None:
             raise FanrunError(f"run {self.id} ended {status} without an outcome: {self.info.get('reason')}")
