@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 
 from ._errors import UnsafePathError
@@ -90,6 +91,27 @@ def open_private(dir_fd: int, name: str, flags: int) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def replace_private(dir_fd: int, name: str, *chunks: bytes) -> None:
+    """Writes the file `name` in the directory `dir_fd` whole or not at all: 0600, under a
+    temporary name of its own, fsynced, then renamed into place. A reader sees the old file or
+    the new one, and writers in several processes never mix."""
+    temporary = f".{name}.{os.getpid()}.{secrets.token_hex(3)}"
+    fd = open_private(dir_fd, temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        for chunk in chunks:
+            with memoryview(chunk) as view:
+                written = 0
+                while written < len(view):
+                    written += os.write(fd, view[written:])
+        os.fsync(fd)
+    except BaseException:
+        os.unlink(temporary, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(fd)
+    os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def _open_or_make(parent_fd: int, name: str, path: str, what: str, remedy: str, create: bool,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .._errors import UnsafePathError
-from .._private_dir import open_private, open_private_dir
+from .._private_dir import open_private, open_private_dir, replace_private
 from .._rank.contract import PAYLOAD, RUN_MARKER, error_name, log_name, result_name
 
 # Finished runs beyond the newest this many are removed when a new run starts.
@@ -115,18 +115,8 @@ class RunPaths:
 
     def write_file(self, name: str, *chunks: bytes) -> None:
         """Writes a file of the run (the payload; a rank's result, error or log that a cluster's
-        node sent back), 0600, under a temporary name, fsynced, then renamed into place."""
-        fd = open_private(self._dir_fd, name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            for chunk in chunks:
-                with memoryview(chunk) as view:
-                    written = 0
-                    while written < len(view):
-                        written += os.write(fd, view[written:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(name + ".tmp", name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        node sent back), 0600, whole or not at all (_private_dir.replace_private)."""
+        replace_private(self._dir_fd, name, *chunks)
 
     def open_result(self, rank: int) -> BinaryIO:
         """A rank's result file, opened in the run directory only if it is private to the caller."""

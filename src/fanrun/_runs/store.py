@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .._errors import UnknownRunError
 from .._launch.paths import open_runs_root
-from .._private_dir import open_private, open_private_subdir
+from .._private_dir import open_private, open_private_subdir, replace_private
 
 QUEUED, RUNNING, FINISHED, FAILED, KILLED = "QUEUED", "RUNNING", "FINISHED", "FAILED", "KILLED"
 FINAL = (FINISHED, FAILED, KILLED)
@@ -140,16 +140,7 @@ def write_json(directory: Path, name: str, value: dict) -> None:
 def write_bytes(directory: Path, name: str, data: bytes) -> None:
     dir_fd = os.open(directory, _DIRECTORY_FLAGS)
     try:
-        temporary = f".{name}.{os.getpid()}.{secrets.token_hex(3)}"
-        fd = open_private(dir_fd, temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            with os.fdopen(fd, "wb", closefd=False) as out:
-                out.write(data)
-                out.flush()
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        replace_private(dir_fd, name, data)
     finally:
         os.close(dir_fd)
 

@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .._private_dir import open_private, open_private_dir
+from .._private_dir import open_private_dir, replace_private
 
 # How long a call waits for a recorded `fanrun ui` server to answer before it names the command instead.
 UI_PROBE_TIMEOUT_S = 0.5
@@ -90,11 +90,7 @@ def record_ui(store_uri: str, url: str) -> Path:
     name = ui_record_path(store_uri).name
     dir_fd = open_private_dir(folder, what="fanrun's MLflow folder", remedy=_REMEDY)
     try:
-        pending = f"{name}.{os.getpid()}.tmp"
-        fd = open_private(dir_fd, pending, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        with open(fd, "wb") as file:
-            file.write(json.dumps({"store": store_uri, "url": url, "pid": os.getpid()}).encode())
-        os.rename(pending, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        replace_private(dir_fd, name, json.dumps({"store": store_uri, "url": url, "pid": os.getpid()}).encode())
     finally:
         os.close(dir_fd)
     return folder / name
