@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import store
@@ -129,10 +130,19 @@ def _read_line(reader: socket.socket) -> bytes:
 
 
 def _send_log_from(dir_fd: int, offset: int, reader: socket.socket) -> None:
-    fd = store.open_private(dir_fd, store.OUTPUT, os.O_RDONLY)
+    for data in _log_from(dir_fd, offset):
+        reader.sendall(f"1 {len(data)}\n".encode() + data)
+
+
+def _log_from(dir_fd: int, offset: int) -> Iterator[bytes]:
+    """output.log from `offset` on, in chunks; nothing where there is none yet."""
+    try:
+        fd = store.open_private(dir_fd, store.OUTPUT, os.O_RDONLY)
+    except FileNotFoundError:
+        return
     try:
         while data := os.pread(fd, _CHUNK, offset):
-            reader.sendall(f"1 {len(data)}\n".encode() + data)
+            yield data
             offset += len(data)
     finally:
         os.close(fd)
@@ -178,17 +188,11 @@ def _follow_once(directory: Path, offset: int, out: _Writer) -> int:
 def _copy_rest(directory: Path, offset: int, out: _Writer) -> int:
     dir_fd = os.open(directory, _DIRECTORY_FLAGS)
     try:
-        fd = store.open_private(dir_fd, store.OUTPUT, os.O_RDONLY)
-    except FileNotFoundError:
-        return offset
-    finally:
-        os.close(dir_fd)
-    try:
-        while data := os.pread(fd, _CHUNK, offset):
+        for data in _log_from(dir_fd, offset):
             out.write(1, data)
             offset += len(data)
     finally:
-        os.close(fd)
+        os.close(dir_fd)
     out.finish()
     return offset
 
