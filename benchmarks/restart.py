@@ -79,13 +79,17 @@ def under_torchrun(ranks: int, directory: str) -> float:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                "--max-restarts=1", __file__, "--worker", directory]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CALL_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RestartFailed(f"no end after {CALL_TIMEOUT_S:g} s") from None
+        done = subprocess.run(command, capture_output=True, timeout=CALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        raise RestartFailed(f"no end after {CALL_TIMEOUT_S:g} s; {_last_error(error.stderr, 'no error printed')}") from None
     if not all(Path(directory, f"step-1-{rank}").exists() for rank in range(ranks)):
-        reason = next((line.strip() for line in done.stderr.splitlines() if "Error" in line), f"exit {done.returncode}")
-        raise RestartFailed(f"the second attempt never stepped: {reason[:300]}")
+        raise RestartFailed(f"the second attempt never stepped: {_last_error(done.stderr, f'exit {done.returncode}')}")
     return latency(directory, ranks)
+
+
+def _last_error(stderr: bytes | None, otherwise: str) -> str:
+    lines = [line.strip() for line in (stderr or b"").decode(errors="replace").splitlines() if "Error" in line]
+    return lines[-1][:300] if lines else otherwise
 
 
 def main() -> None:

@@ -14,6 +14,8 @@ from nbclient import NotebookClient
 from gpus import needs_gpus
 from processes import wait_gone
 
+from fanrun._runs import store
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -199,3 +201,53 @@ def test_a_failure_in_a_cell_shows_the_rank_traceback_once_without_fanrun_frames
     stacks = "\n".join(timeout.traceback)
     assert "in hang" in stacks and "time.sleep(60)" not in stream_text(hanging, "stderr")
     assert "Current thread" not in stream_text(hanging, "stderr")  # the stacks once, in the error
+
+
+DETACHING_CELL = """import os
+from fanrun import distributed
+
+@distributed(num_accelerators=2, detach=True, tracking=False)
+def train(gate):
+    import os, time
+    print(f"rank {os.environ['RANK']} waits", flush=True)
+    while not os.path.exists(gate):
+        time.sleep(0.02)
+    print(f"rank {os.environ['RANK']} trained", flush=True)
+    return int(os.environ["RANK"]) * 10
+
+run = train.distributed(GATE)
+print(run.id, os.getpid())"""
+
+ATTACHING_CELL = """import pathlib
+import fanrun
+pathlib.Path(GATE).touch()
+run = fanrun.attach(RUN_ID)
+print("result", run.result(), run.status)"""
+
+
+def test_a_detached_run_started_in_a_kernel_is_attached_from_the_restarted_kernel(tmp_path):
+    gate = tmp_path / "gate"
+    notebook = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(DETACHING_CELL.replace("GATE", repr(str(gate))))])
+    client = NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+
+    async def scenario() -> tuple[str, int]:
+        async with client.async_setup_kernel():
+            await client.async_execute_cell(notebook.cells[0], 0)
+            run_id, kernel_pid = stream_text(notebook.cells[0]).split()
+            await client.km.restart_kernel(now=True)
+            await client.kc.wait_for_ready(timeout=60)
+            assert wait_gone([int(kernel_pid)], timeout=10) == []  # the kernel that started the run is gone
+            notebook.cells.append(nbformat.v4.new_code_cell(
+                ATTACHING_CELL.replace("GATE", repr(str(gate))).replace("RUN_ID", repr(run_id))))
+            await client.async_execute_cell(notebook.cells[1], 1)
+            return run_id, int(kernel_pid)
+
+    run_id, _ = asyncio.run(scenario())
+    shown = stream_text(notebook.cells[1])
+    for rank in (0, 1):
+        # Its whole output, from the lines printed before the restart on.
+        assert shown.index(f"[rank{rank}]: rank {rank} waits") < shown.index(f"[rank{rank}]: rank {rank} trained")
+    assert shown.endswith("result [0, 10] FINISHED\n"), shown
+    runner = store.read_json(store.find(run_id), store.RUNNER)["pid"]
+    assert wait_gone([runner], timeout=10) == []

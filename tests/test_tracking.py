@@ -574,6 +574,44 @@ def test_a_call_inside_an_active_run_is_its_child(sqlite_store):
     assert client.get_metric_history(parent.info.run_id, "loss") == []
 
 
+@distributed(num_accelerators=2, max_restarts=2)
+def fails_twice_then_trains():
+    import os
+
+    import mlflow
+
+    attempt = int(os.environ["FANRUN_RESTART_COUNT"])
+    mlflow.log_metric("attempt", attempt, step=int(os.environ["RANK"]))
+    if attempt < 2 and os.environ["RANK"] == "1":
+        raise RuntimeError(f"attempt {attempt} lost")
+    return mlflow.active_run().info.run_id
+
+
+def test_a_call_that_restarts_is_one_run_with_each_attempt_nested_under_it(sqlite_store, capfd):
+    client, experiment_id = sqlite_store
+    last_attempt = fails_twice_then_trains.distributed()[0]
+    fanrun.flush_tracking()
+    runs = {run.info.run_name: run for run in client.search_runs([experiment_id])}
+    name = min(runs, key=len)  # fails_twice_then_trains-<6 hex digits>
+    assert sorted(runs) == [name] + [f"{name}-attempt-{number}" for number in (1, 2, 3)]
+    parent = runs[name]
+    assert parent.info.status == "FINISHED" and parent.data.tags["fanrun.attempts"] == "3"
+    assert parent.data.params["fanrun.max_restarts"] == "2"
+    assert client.get_metric_history(parent.info.run_id, "attempt") == []  # the ranks log on their attempt's run
+    for number in (1, 2, 3):
+        attempt = runs[f"{name}-attempt-{number}"]
+        assert attempt.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert attempt.data.params["fanrun.attempt"] == str(number)
+        assert attempt.info.status == ("FINISHED" if number == 3 else "FAILED")
+        logged = history(client, attempt.info.run_id, "attempt")
+        # A failing rank's metrics reach its run before the call stops: rank 1's on every attempt.
+        assert (1, number - 1) in logged and (number < 3 or logged == [(0, 2), (1, 2)]), logged
+    assert runs[f"{name}-attempt-1"].data.tags["fanrun.error"].startswith("RuntimeError: [rank 1] attempt 0 lost")
+    assert last_attempt == runs[f"{name}-attempt-3"].info.run_id
+    out, _ = capfd.readouterr()
+    assert out.count("fanrun: MLflow run ") == 1 and f"fanrun: MLflow run {name} (" in out  # the submission's alone
+
+
 def test_run_id_resumes_that_run_and_start_run_with_it_nests_under_it(sqlite_store):
     client, experiment_id = sqlite_store
     earlier = client.create_run(experiment_id, run_name="earlier")

@@ -1,6 +1,7 @@
-"""One call, driven to its end: the plan, the GPUs' locks, each attempt's MLflow run and run
-directory, the ranks, and the restarts (max_restarts). The decorator (_decorator.py) and a
-detached run's runner (_runs/runner.py) both call through here."""
+"""One call, driven to its end: the plan, the GPUs' locks, the MLflow runs (one per attempt,
+nested under the call's own when it may restart), each attempt's run directory, the ranks, and
+the restarts (max_restarts). The decorator (_decorator.py) and a detached run's runner
+(_runs/runner.py) both call through here."""
 
 from __future__ import annotations
 
@@ -50,16 +51,18 @@ def run_call(payload: bytes | None, name: str, options: Options, plan: _accelera
         # A restart takes spares whose imports are done: they start now, while the first attempt runs.
         spares.POOL.fill_soon(plan.world_size, local_backend.KEEPER, RANK_DEFAULTS)
     try:
-        for attempt in range(options.max_restarts + 1):
-            try:
-                return _attempt(call, options, plan, inventory, attempt, warm=warm or (restarts_warm and attempt > 0))
-            except Exception as error:  # an interrupt is never retried
-                if attempt == options.max_restarts:
-                    raise
-                first_line = (str(error).splitlines() or [""])[0]
-                print(f"fanrun: attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
-                      f"{first_line}); starting every rank again", file=sys.stderr, flush=True)
-        raise AssertionError("unreachable")
+        with call_tracking.track_submission(function_name=name, plan=plan, options=options) as submission:
+            for attempt in range(options.max_restarts + 1):
+                try:
+                    return _attempt(call, options, plan, inventory, attempt, submission,
+                                    warm=warm or (restarts_warm and attempt > 0))
+                except Exception as error:  # an interrupt is never retried
+                    if attempt == options.max_restarts:
+                        raise
+                    first_line = (str(error).splitlines() or [""])[0]
+                    print(f"fanrun: attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
+                          f"{first_line}); starting every rank again", file=sys.stderr, flush=True)
+            raise AssertionError("unreachable")
     finally:
         if restarts_warm and not warm:
             spares.POOL.drop()  # started for restarts alone: they do not outlive the call
@@ -76,7 +79,7 @@ class _Call:
 
 
 def _attempt(call: _Call, options: Options, plan: _accelerators.Plan, inventory: _accelerators.Inventory | None,
-             attempt: int, *, warm: bool) -> list:
+             attempt: int, submission: call_tracking.Submission | None, *, warm: bool) -> list:
     # The GPUs the ranks get, in rank order: the ones the run's system metrics describe. (A
     # cluster's GPUs are the nodes' own: this machine samples none of them.) They are this call's
     # alone while it runs: a call that holds them already goes first.
@@ -84,7 +87,8 @@ def _attempt(call: _Call, options: Options, plan: _accelerators.Plan, inventory:
     with gpu_locks.hold(gpus, holder=repr(call.name), on_busy=_say):
         # The MLflow run starts once the GPUs are free, and ends with the call's outcome.
         gpu_indices = [gpu.nvml_index for gpu in gpus]
-        with call_tracking.track(function_name=call.name, plan=plan, gpu_indices=gpu_indices, options=options) as tracked:
+        with call_tracking.track(function_name=call.name, plan=plan, gpu_indices=gpu_indices, options=options,
+                                 submission=submission) as tracked:
             # One run directory, for the launcher and for tracking, which uploads its logs.
             with RunPaths.create(call.name) as paths:
                 tracked.paths = paths

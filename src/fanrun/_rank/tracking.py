@@ -184,6 +184,20 @@ def _activate(mlflow, run_id: str, channel: socket.socket) -> None:
         _say(f"logs its metrics straight to the tracking store ({type(error).__name__}: {error})")
 
 
+# What flush_metrics() sends: the senders this process made, one per call its function imported mlflow in.
+_failure_flushes: list = []
+
+
+def flush_metrics() -> None:
+    """Sends the metrics still gathering, at once: a failing rank's, before it tells the engine,
+    which then stops every rank; what it logged up to its failure is what shows why."""
+    for flush in _failure_flushes:
+        try:
+            flush()
+        except OSError:
+            pass  # the caller is gone: the run is over
+
+
 def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) -> None:
     """Makes this process send the metrics of the call's run to the caller, by both ways a
     metric reaches MLflow's store: the fluent mlflow.log_metric/log_metrics, and the store."""
@@ -195,6 +209,7 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) ->
     buffer_s = float(os.environ.get("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS") or DEFAULT_BUFFER_S)
     sender = sender_class(channel, buffer_s)
     _before_thread_shutdown(sender.close)
+    _failure_flushes.append(sender.flush)
 
     def send(records: list[tuple]) -> None:
         """records: (key, value, timestamp, step, model_id, dataset_name, dataset_digest)."""

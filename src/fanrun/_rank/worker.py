@@ -45,6 +45,8 @@ _DONE = f"{_contract.CONTROL_DONE}\n".encode()
 _exit_status = 1
 # Whether the exit handler and the stack dumps are set up: once per process, kept or not.
 _handlers_installed = False
+# Sends the metrics this rank logged and has not sent yet (tracking.py), before it reports a failure.
+_flush_metrics = None
 
 
 def bootstrap_code() -> str:
@@ -55,8 +57,8 @@ def bootstrap_code() -> str:
 def main() -> None:
     """Runs the call of sys.argv and os.environ; once per process, or once per call of a rank
     kept between calls (_rank/spare.py)."""
-    global _exit_status, _handlers_installed
-    _exit_status = 1
+    global _exit_status, _handlers_installed, _flush_metrics
+    _exit_status, _flush_metrics = 1, None
     if not _handlers_installed:
         _handlers_installed = True
         # Registered first, so that it runs last, after every handler the function registers.
@@ -72,7 +74,9 @@ def main() -> None:
         # A call of @distributed: when the function imports mlflow, the call's run becomes
         # active there, or MLflow logs nowhere if the call is not tracked.
         before = list(sys.meta_path)
-        _sibling("tracking.py")["install"]()
+        tracking = _sibling("tracking.py")
+        tracking["install"]()
+        _flush_metrics = tracking["flush_metrics"]
         tracking_hooks = [hook for hook in sys.meta_path if not any(hook is old for old in before)]
     mode = sys.argv[1]
     run_dir = Path(os.environ[_contract.ENV_RUN_DIR])
@@ -240,6 +244,8 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as out:
         pickle.dump(envelope, out, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(tmp, path)
+    if _flush_metrics is not None:
+        _flush_metrics()
     _tell_engine(_FAILED)
     code = envelope["exit_code"] if isinstance(envelope["exit_code"], int) else 1
     _exit_status = code or 1

@@ -90,7 +90,7 @@ class _Agent:
         self.calls = {call_id: run for call_id, run in self.calls.items() if run.thread.is_alive()}
         if kind == "call" and len(fds) == 1:
             _follow_caller(body.pop("env"), body.pop("cwd"), body["argv0"])
-            run = CallRun(body, socket.socket(fileno=fds[0]), self.reply)
+            run = CallRun(body, socket.socket(fileno=fds[0]), self.reply, self.calls.get(body["parent_call"]))
             self.calls[run.id] = run
             run.start()
             return

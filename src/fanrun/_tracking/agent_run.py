@@ -36,11 +36,15 @@ CALLER_ENDED = {"status": "KILLED", "tags": {"fanrun.stop_reason": "caller ended
 class CallRun:
     """One call, from its "call" message to its "closed" answer; `reply` sends to the caller."""
 
-    def __init__(self, call: dict, listener: socket.socket, reply: Callable[[dict], None]) -> None:
+    def __init__(self, call: dict, listener: socket.socket, reply: Callable[[dict], None],
+                 parent: CallRun | None = None) -> None:
         self.call = call
         self.id = call["id"]
         self.reply = reply
+        # The submission whose run this attempt's is nested under (caller.track_submission).
+        self.parent = parent
         self.run: TrackedRun | None = None
+        self.opened = threading.Event()  # set once open() has made the run, or given up
         self.relay = MetricRelay(self.write_metrics, listener)
         self.sampler: SystemMetricsSampler | None = None
         self.warnings: list[str] = []
@@ -60,7 +64,11 @@ class CallRun:
     def _serve(self) -> None:
         try:
             self.relay.start()
-            if self.open():
+            try:
+                went_on = self.open()
+            finally:
+                self.opened.set()
+            if went_on:
                 self._ended.wait()
             self.finish(self._outcome or CALLER_ENDED)
         finally:
@@ -71,6 +79,11 @@ class CallRun:
         call = self.call
         problem = None
         uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        if self.parent is not None:
+            # Sent before this call, so being made already; without it, the attempt's run stands alone.
+            self.parent.opened.wait(START_DEADLINE_S)
+            parent_run = self.parent.run if self.parent.opened.is_set() else None
+            call["parent_id"] = parent_run.run_id if parent_run is not None else None
         try:
             self.run = _within(START_DEADLINE_S, self._create)
         except _RunNotFound as error:
@@ -89,10 +102,11 @@ class CallRun:
             return True
         run = self.run
         self.relay.publish({"run_id": run.run_id, "env": _rank_variables(run)})
-        self.sampler = SystemMetricsSampler(
-            _metrics_logger(run), call["gpu_indices"], sampling_interval(), first_step=run.first_system_step
-        )
-        self.sampler.start()
+        if call["role"] != "submission":  # the machine is sampled on each attempt's run
+            self.sampler = SystemMetricsSampler(
+                _metrics_logger(run), call["gpu_indices"], sampling_interval(), first_step=run.first_system_step
+            )
+            self.sampler.start()
         self.reply({"opened": {
             "id": self.id, "run_id": run.run_id, "run_name": run.run_name, "experiment_id": run.experiment_id,
             "experiment_name": run.experiment_name, "tracking_uri": run.tracking_uri, "ui_url": run.ui_url,
@@ -136,7 +150,7 @@ class CallRun:
             relay.stop(FINISH_DEADLINE_S)
             return
         status = outcome["status"]
-        final_sample = sampler.sample if sampler.stop(SAMPLER_JOIN_S) else None
+        final_sample = sampler.sample if sampler is not None and sampler.stop(SAMPLER_JOIN_S) else None
         # Every rank has ended: the last values they logged go on the run before it is closed.
         if not relay.stop(FINISH_DEADLINE_S):
             self.warnings.append(f"fanrun: the tracking store {masked(run.tracking_uri)} did not take the ranks' last "
@@ -153,7 +167,7 @@ class CallRun:
                 f"{masked(run.tracking_uri)} ({describe(failure)}); the call's outcome is unchanged."
             )
             return
-        if sampler.error is not None:
+        if sampler is not None and sampler.error is not None:
             self.warnings.append(f"fanrun: system metrics stopped early on the MLflow run {run.run_name} "
                                  f"({describe(sampler.error)}); the call's outcome is unchanged.")
 

@@ -79,9 +79,48 @@ class TrackedCall:
 
 
 @contextlib.contextmanager
-def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: Any) -> Iterator[TrackedCall]:
+def track_submission(*, function_name: str, plan: Plan, options: Any) -> Iterator[Submission | None]:
+    """A call that may restart (max_restarts > 0) gets one MLflow run for the whole call, the
+    parent of each attempt's run (track(submission=)), as a retried job's runs are nested under
+    it on Databricks; its status is the call's, and `fanrun.attempts` says how many it took.
+    Yields None where there is no such run: no restarts, a run_id= resumed by every attempt, or
+    no tracking (each attempt's own run says why)."""
+    if (options.max_restarts == 0 or options.run_id is not None or options.leave_mlflow_alone
+            or not enabled(options.tracking) or not _mlflow_installed()):
+        yield None
+        return
+    show_warnings()
+    run = _CallRun(function_name, plan, options, [], role="submission")
+    try:
+        run.start()
+    except OSError:
+        yield None  # the first attempt tries again, and warns
+        return
+    submission = Submission(run)
+    try:
+        yield submission
+    except BaseException as error:
+        run.end(None, 0, error, {"fanrun.attempts": str(submission.attempts)})
+        raise
+    run.end(None, 0, None, {"fanrun.attempts": str(submission.attempts)})
+
+
+@dataclasses.dataclass
+class Submission:
+    """The run of a call that may restart, and how many attempts it has started."""
+
+    run: _CallRun
+    attempts: int = 0
+
+
+@contextlib.contextmanager
+def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: Any,
+          submission: Submission | None = None) -> Iterator[TrackedCall]:
     """Starts the call's MLflow run (or not), yields what the ranks need, and hands the agent the
-    call's outcome: FINISHED, KILLED (interrupt, timeout) or FAILED (anything else)."""
+    call's outcome: FINISHED, KILLED (interrupt, timeout) or FAILED (anything else). Under a
+    `submission`, the run is its next attempt's, nested under the submission's run."""
+    if submission is not None:
+        submission.attempts += 1
     if options.leave_mlflow_alone:
         yield TrackedCall({})
         return
@@ -101,7 +140,7 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
         yield untracked
         return
     show_warnings()  # what the agent had to say about earlier calls' runs
-    run = _CallRun(function_name, plan, options, gpu_indices)
+    run = _CallRun(function_name, plan, options, gpu_indices, submission=submission)
     try:
         run.start()
     except OSError as error:  # UnsafePathError included
@@ -126,8 +165,13 @@ class _CallRun:
     """The caller's end of one call's run: it decides where the run goes, hands the call to the
     agent, announces the run (or warns) when the agent answers, and sends the call's outcome."""
 
-    def __init__(self, function_name: str, plan: Plan, options: Any, gpu_indices: list[int]) -> None:
+    def __init__(self, function_name: str, plan: Plan, options: Any, gpu_indices: list[int], *,
+                 role: str = "call", submission: Submission | None = None) -> None:
         self.function_name = function_name
+        # An attempt's run is nested under its submission's, which alone is shown to the user;
+        # what goes wrong with tracking is said by each attempt, which alone can drop metrics.
+        self._announces = submission is None
+        self._warns = role != "submission"
         self.run: TrackedRun | None = None
         # Where this call's warnings point: the user's line, from whichever thread they are shown.
         self.warning_at = _user_frame()
@@ -140,10 +184,21 @@ class _CallRun:
         mlflow = sys.modules.get("mlflow")
         active = mlflow.active_run() if mlflow is not None else None
         parent_id = active.info.run_id if active is not None else (os.environ.get("MLFLOW_RUN_ID") or None)
+        run_name = getattr(options, "run_name", None) or f"{function_name}-{secrets.token_hex(3)}"
+        params = _parameters(function_name, plan, options)
+        if role == "submission":
+            params["fanrun.max_restarts"] = str(options.max_restarts)
+        if submission is not None:
+            parent = submission.run._call
+            run_name, parent_id = f"{parent['run_name']}-attempt-{submission.attempts}", None
+            params["fanrun.attempt"] = str(submission.attempts)
         self._call = {
+            "role": role,
+            # The agent's id of the submission whose run this one's is nested under.
+            "parent_call": submission.run._id if submission is not None else None,
             "function_name": function_name,
-            "run_name": getattr(options, "run_name", None) or f"{function_name}-{secrets.token_hex(3)}",
-            "params": _parameters(function_name, plan, options),
+            "run_name": run_name,
+            "params": params,
             "experiment_name": options.experiment_name,
             "run_id": options.run_id,
             "parent_id": parent_id,
@@ -196,18 +251,21 @@ class _CallRun:
         with self._lock:
             if kind == "opened":
                 self.run = TrackedRun(client=None, first_system_step=0, **{k: v for k, v in body.items() if k != "id"})
-                announce(self.run)  # after a quick call's end too: its run exists from now on
+                if self._announces:
+                    announce(self.run)  # after a quick call's end too: its run exists from now on
             elif kind == "not_found":
                 self._not_found = body["message"]
             else:
                 self._warn_off(body["problem"])
             self._answered.set()
 
-    def end(self, paths: RunPaths | None, world_size: int, error: BaseException | None) -> None:
+    def end(self, paths: RunPaths | None, world_size: int, error: BaseException | None,
+            extra_tags: dict[str, str] | None = None) -> None:
         """Hands the agent the outcome and returns: the agent makes the run if it has not yet,
         logs what the ranks sent, and closes it. A problem it meets from now on is shown at the
         next call, at flush_tracking() or at exit."""
         status, tags = outcome(error)
+        tags.update(extra_tags or {})
         self._agent.finish_call(self._id, {
             "status": status, "tags": tags, "world_size": world_size,
             "run_dir": str(paths.directory) if paths is not None else None,
@@ -227,6 +285,8 @@ class _CallRun:
     def _warn(self, message: str) -> None:
         """At the user's line that made the call, from whichever thread; where the user's filters
         turn it into an error, the call raises it at its end."""
+        if not self._warns:
+            return
         if self._ended:
             # The call has returned or raised: shown at the next call, or at exit.
             agent_connection.add_warning(message, self.warning_at)
