@@ -248,7 +248,7 @@ def test_an_idempotency_key_returns_the_run_it_started_first(tmp_path):
      "workload.yaml:2: script: a workload runs one of command, script or function; this one gives command and script"),
     ("function: job:missing\n", "workload.yaml:1: function: 'job:missing' cannot be found"),
     ("script: nowhere.py\n", "workload.yaml:1: script: "),
-    ("function: job:train\ncompute: {nodes: 2}\n", "workload.yaml:2: compute.nodes: fanrun submit runs on this machine"),
+    ("function: job:train\ncompute: {nodes: 0}\n", "workload.yaml:2: compute.nodes: must be a positive whole number of machines"),
 ])
 def test_a_bad_workload_file_is_named_by_line_and_field_before_anything_starts(tmp_path, text, message):
     (tmp_path / "job.py").write_text(JOB)

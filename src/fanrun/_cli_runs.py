@@ -23,6 +23,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                         help="replace a field of the file, such as compute.num_accelerators=4 (repeatable)")
     submit.add_argument("--idempotency-key", default=None, metavar="KEY",
                         help="a run already submitted with this key is returned instead of a new one")
+    submit.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                        help="with compute.nodes above 1: the Ray cluster that runs it as a job, as `ray job submit` "
+                        "takes it (its dashboard's http://head:8265; default $RAY_API_SERVER_ADDRESS or $RAY_ADDRESS)")
     listing = commands.add_parser("list", help="your detached runs (@distributed(detach=True))",
                                   description="Your detached runs still queued or running; --all: every one.")
     listing.add_argument("--all", action="store_true", help="also the runs that have ended")
@@ -40,7 +43,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def main(options: argparse.Namespace) -> int:
-    from ._errors import UnknownRunError
+    from ._errors import FanrunError, UnknownRunError
     from ._runs import run as runs
 
     try:
@@ -67,6 +70,9 @@ def main(options: argparse.Namespace) -> int:
     except UnknownRunError as error:
         print(f"fanrun: {error}", file=sys.stderr)
         return 2
+    except FanrunError as error:  # a Ray job's cluster that does not answer
+        print(f"fanrun: {error}", file=sys.stderr)
+        return 1
 
 
 def _submit(options: argparse.Namespace) -> int:
@@ -77,6 +83,8 @@ def _submit(options: argparse.Namespace) -> int:
 
     try:
         workload = load(options.workload, options.override)
+        if workload.nodes > 1:
+            return _submit_to_ray(workload, options)
         plan = plan_run(workload.options.num_accelerators, workload.options.accelerator, detect())
         preflight.preflight(plan)
     except (WorkloadError, ValueError, TypeError) as error:
@@ -88,8 +96,45 @@ def _submit(options: argparse.Namespace) -> int:
         print(f"would run {' '.join(map(str, what))} on {plan.description}, max_retries {workload.options.max_restarts}, "
               f"timeout {'none' if workload.options.timeout is None else f'{workload.options.timeout:g} s'}")
         return 0
-    cwd = os.path.dirname(os.path.abspath(options.workload))
-    run = runs.submit(workload, cwd=cwd, idempotency_key=options.idempotency_key)
+    run = runs.submit(workload, cwd=_folder(options), idempotency_key=options.idempotency_key)
+    return _started(run, options)
+
+
+def _submit_to_ray(workload, options: argparse.Namespace) -> int:
+    """compute.nodes above 1: a job of the Ray cluster's own job system (_runs/ray_job.py)."""
+    import json
+
+    from ._errors import FanrunError
+    from ._runs import run as runs
+
+    address = options.ray_address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ValueError(f"compute.nodes: {workload.nodes} runs as a job of a Ray cluster: pass --ray-address "
+                         f"http://HEAD:8265 (its dashboard), or set RAY_ADDRESS as for `ray job submit`")
+    try:
+        json.dumps(workload.fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{options.workload}: a Ray job takes the workload's values as JSON, and one is not: {error}") from None
+    ranks = workload.options.num_accelerators
+    if options.dry_run:
+        print(f"would submit {workload.name} to the Ray cluster at {address} as a job: "
+              f"{ranks if ranks is not None else 'one rank per accelerator'} ranks over {workload.nodes} nodes, "
+              f"max_retries {workload.options.max_restarts}")
+        return 0
+    try:
+        run = runs.submit(workload, cwd=_folder(options), idempotency_key=options.idempotency_key, ray_address=address)
+    except FanrunError as error:
+        print(f"fanrun: {error}", file=sys.stderr)
+        return 1
+    return _started(run, options)
+
+
+def _folder(options: argparse.Namespace) -> str:
+    """Where the workload runs: its file's folder, from which its relative paths are read."""
+    return os.path.dirname(os.path.abspath(options.workload))
+
+
+def _started(run, options: argparse.Namespace) -> int:
     print(run.id, flush=True)
     if not options.watch:
         return 0

@@ -188,8 +188,9 @@ def distributed(
         raise ValueError("detach=True runs each call in a process of its own, which cannot keep this process's ranks "
                          "alive: drop keep_alive=True or detach=True")
     if detach and (options.backend == "ray" or (options.nodes or 1) > 1):
-        raise ValueError("detach=True runs on this machine; a detached call on a Ray cluster is not supported yet: "
-                         "drop detach=True, or nodes= and backend='ray'")
+        raise ValueError("detach=True runs on this machine; a run over a Ray cluster's nodes outlives its caller as a "
+                         "Ray job: `fanrun submit` a workload file with compute.nodes (docs/detached.md). Here, drop "
+                         "detach=True, or nodes= and backend='ray'")
 
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:
         if not callable(fn):

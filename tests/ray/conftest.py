@@ -1,5 +1,6 @@
-"""One Ray cluster for every Ray test: a head and a worker node of 2 CPUs each, on this machine,
-started once and stopped at the end, with proof that none of its processes is left.
+"""One Ray cluster for every Ray test: a head (with its dashboard, for Ray Jobs) and a worker node
+of 2 CPUs each, on this machine, started once and stopped at the end, with proof that none of
+its processes is left.
 
 These tests run inside a network namespace of their own (netns.py; `make test` does it), where
 only loopback is up: Ray binds every service to 127.0.0.1 there, and nothing listens beyond."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import pytest
 
@@ -42,10 +44,15 @@ def cluster():
 
     import fanrun
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False})
+    # A job's entrypoint (`python -m fanrun...`) finds this environment's python, as in an activated one.
+    os.environ["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"
+    # The dashboard serves Ray Jobs (test_ray_jobs.py).
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": True})
     session_dir = cluster.head_node.get_session_dir_path()
     try:
-        cluster.add_node(num_cpus=CPUS_PER_NODE)
+        # Each node unpacks a job's working_dir in a folder of its own, as on two machines: in the
+        # session's shared folder, the second node's copy would replace the first's under its driver.
+        cluster.add_node(num_cpus=CPUS_PER_NODE, runtime_env_dir_name="runtime_resources_node1")
         cluster.wait_for_nodes()
         fanrun.ray_init(address=cluster.address)
         yield cluster
@@ -56,3 +63,9 @@ def cluster():
 
     left = ray_processes(session_dir)
     assert wait_gone([pid for pid, _ in left], timeout=30) == [], f"Ray processes left: {left}"
+
+
+@pytest.fixture(scope="session")
+def jobs_address(cluster) -> str:
+    """The cluster's job server, as `ray job submit --address` takes it."""
+    return f"http://{cluster.head_node.address_info['webui_url']}"

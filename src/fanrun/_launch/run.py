@@ -80,7 +80,8 @@ def _run_in(
             launch = Launch(program=program, paths=paths, env={**os.environ, **first_attempt, **(extra_env or {})},
                             timeout=timeout,
                             # A function's rank that ends without its result or its error has failed.
-                            expect_done=payload is not None, wakeup_fd=wakeup.read_fd, warm=warm, keep=keep)
+                            expect_done=payload is not None, wakeup_fd=wakeup.read_fd, warm=warm, keep=keep,
+                            added=frozenset(extra_env or ()))
             ranks = backends.for_plan(plan).start(plan, launch)
             timeout_report = TimeoutReport(python=program.python)
             try:

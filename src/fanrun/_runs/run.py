@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .._errors import FanrunError, RemoteTraceback, RunCancelledError
-from . import store, stream
+from . import ray_job, store, stream
 
 # How long start() waits for the runner to be up (its imports: fanrun, cloudpickle).
 RUNNER_START_S = 60.0
@@ -29,10 +29,14 @@ class Run:
     def __init__(self, run_id: str) -> None:
         self._directory = store.find(run_id)
         self.id = run_id
+        job = store.state(self._directory).get("ray_job")
+        self._job = ray_job.RayJob(self._directory, job["address"]) if job is not None else None
 
     @property
     def status(self) -> str:
         """QUEUED, RUNNING, FINISHED, FAILED or KILLED."""
+        if self._job is not None:
+            return self._job.status()
         return store.state(self._directory)["status"]
 
     @property
@@ -43,6 +47,8 @@ class Run:
     def logs(self, rank: int | None = None, follow: bool = False) -> str | None:
         """The call's output so far, as a blocking call shows it (rank=N: that rank's full log).
         With follow=True, it is written here as it comes, until the run ends; returns None."""
+        if self._job is not None:
+            return self._job.follow(rank) if follow else self._job.logs(rank)
         if follow:
             stream.follow(self._directory, rank=rank)
             return None
@@ -54,6 +60,8 @@ class Run:
 
     def wait(self, timeout: float | None = None) -> str:
         """Blocks until the run has ended, or `timeout` seconds have passed; returns its status."""
+        if self._job is not None:
+            return self._job.wait(timeout)
         state = store.state(self._directory)
         if state["status"] in store.FINAL:
             return state["status"]
@@ -69,9 +77,9 @@ class Run:
         if status not in store.FINAL:
             waited = "its runner is still starting" if timeout is None else f"after {timeout:g} s"
             raise TimeoutError(f"run {self.id} is still {status}: {waited}")
-        data = store.read_bytes(self._directory, store.OUTCOME)
+        data = self._job.outcome() if self._job is not None else store.read_bytes(self._directory, store.OUTCOME)
         if data is None:
-            raise FanrunError(f"run {self.id} ended {status} without an outcome: {self.info.get('reason')}")
+            raise FanrunError(f"run {self.id} ended {status} without an outcome: {self._reason()}")
         outcome = pickle.loads(data)
         if "results" in outcome:
             return outcome["results"]
@@ -87,6 +95,10 @@ class Run:
 
     def cancel(self) -> str:
         """Stops the run's ranks, as Ctrl+C stops a blocking call's; returns once it has ended."""
+        if self._job is not None:
+            if self.status not in store.FINAL:
+                self._job.cancel()
+            return self.wait(CANCEL_WAIT_S)
         runner = store.read_json(self._directory, store.RUNNER)
         if runner is not None and store.state(self._directory)["status"] not in store.FINAL:
             # Only the runner recorded for this run, not a later process with its pid.
@@ -96,6 +108,12 @@ class Run:
                 except ProcessLookupError:
                     pass
         return self.wait(CANCEL_WAIT_S)
+
+    def _reason(self) -> str | None:
+        if self._job is not None and not self.info.get("reason"):
+            tail = self._job.logs().strip().splitlines()[-5:]
+            return "its Ray job's output ends with:\n" + "\n".join(tail) if tail else "its Ray job printed nothing"
+        return self.info.get("reason")
 
     def _rank_log(self, rank: int) -> bytes:
         run_dir = self.info.get("run_dir")
@@ -111,15 +129,19 @@ class Run:
         return f"<fanrun.Run {self.id} {self.status}>"
 
 
-def submit(workload, *, cwd: str, idempotency_key: str | None = None) -> Run:
-    """Starts a workload file's run (workload.py) in `cwd`; with an idempotency key that a run has
-    already claimed, returns that run instead and starts nothing."""
+def submit(workload, *, cwd: str, idempotency_key: str | None = None, ray_address: str | None = None) -> Run:
+    """Starts a workload file's run (workload.py) in `cwd`, or with more than one node, submits it
+    as a job to the Ray cluster at `ray_address` (its dashboard's); with an idempotency key that
+    a run has already claimed, returns that run instead and starts nothing."""
     directory = store.create(workload.name)
     if idempotency_key is not None:
         claimed = store.claim_key(idempotency_key, directory.name)
         if claimed != directory.name:
             store.remove_unstarted(directory)
             return Run(claimed)
+    if workload.nodes > 1:
+        ray_job.submit(directory, workload, address=ray_address, cwd=cwd)
+        return Run(directory.name)
     return start(workload.name, workload.payload, workload.options, program=workload.program, env=workload.env,
                  cwd=cwd, directory=directory)
 
@@ -164,17 +186,26 @@ def attach(run_id: str) -> Run:
 def runs(all: bool = False) -> list[Run]:  # noqa: A002 - the CLI's --all
     """This user's detached runs, oldest first: those not ended yet, or every one with all=True."""
     found = [Run(directory.name) for directory in store.all_runs()]
-    return found if all else [run for run in found if run.status not in store.FINAL]
+    return found if all else [run for run in found if _status(run)[0] not in store.FINAL]
 
 
 def describe(run: Run) -> str:
     """One line of `fanrun list`."""
+    status, problem = _status(run)
     info = run.info
     started = datetime.datetime.fromtimestamp(info.get("created", 0)).strftime("%Y-%m-%d %H:%M:%S")
     ended = info.get("ended")
     took = f"{(ended or time.time()) - info.get('created', 0):.0f} s"
-    reason = f"  {info['reason']}" if info.get("reason") else ""
-    return f"{run.id}  {info['status']:<8}  {started}  {took:>8}{reason}"
+    reason = problem or info.get("reason")
+    return f"{run.id}  {status:<8}  {started}  {took:>8}{f'  {reason}' if reason else ''}"
+
+
+def _status(run: Run) -> tuple[str, str | None]:
+    """The run's status, or UNKNOWN and why: a Ray job's cluster that does not answer."""
+    try:
+        return run.status, None
+    except FanrunError as error:
+        return "UNKNOWN", str(error)
 
 
 def _package_parent() -> str:

@@ -32,7 +32,7 @@ def main() -> None:
     spec = pickle.loads(store.read_bytes(directory, store.SPEC))
     sys.path[:] = spec["sys_path"]
     os.chdir(spec["cwd"])
-    signal.signal(signal.SIGTERM, _cancel)
+    signal.signal(signal.SIGTERM, cancel)
     broadcast = stream.Broadcast(directory)
     # The caller returns once the socket is up: from then on, attach() finds the run.
     os.write(1, b"ready\n")
@@ -46,7 +46,7 @@ def main() -> None:
         broadcast.close()
 
 
-def _cancel(signo, frame) -> None:
+def cancel(signo, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once is enough: the ranks are being stopped
     raise Cancelled()
 
@@ -85,11 +85,11 @@ def _run(spec: dict, directory: Path) -> tuple[str, bytes, str]:
     except BaseException as error:  # noqa: B036 - whatever a blocking call would raise, recorded
         # As a blocking call shows it in the cell.
         traceback.print_exception(type(error), error, None if raised_for_the_caller(error) else error.__traceback__)
-        return store.FAILED, _failure(error), f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return store.FAILED, failure(error), f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     return store.FINISHED, cloudpickle.dumps({"results": results}), ""
 
 
-def _failure(error: BaseException) -> bytes:
+def failure(error: BaseException) -> bytes:
     import cloudpickle
 
     cause = error.__cause__

@@ -8,6 +8,8 @@ to its user (0700, like the runs root above it, so nobody else can list, attach 
     outcome.pkl   the results, or the exception a blocking call would have raised
     attach.sock   while the runner lives: where attach() reads the output live (stream.py)
 
+A run of a Ray job (ray_job.py) has state.json alone, naming the cluster, until it has ended.
+
 A run whose state is not final but whose runner is gone is marked FAILED, with the reason, by
 whoever reads its state first: a crash at any point never leaves a run that claims to run.
 """
@@ -172,7 +174,7 @@ def update_state(directory: Path, **changes: object) -> dict:
 def state(directory: Path) -> dict:
     """The run's state; a run whose runner has ended without a final state is marked FAILED."""
     current = read_json(directory, STATE) or {"status": FAILED, "reason": "its state file is missing"}
-    if current["status"] in FINAL:
+    if current["status"] in FINAL or "ray_job" in current:  # a Ray job's is the cluster's to tell (ray_job.py)
         return current
     runner = read_json(directory, RUNNER)
     if runner is None:

@@ -1,6 +1,6 @@
 """The workload file of `fanrun submit`, with the fields of Databricks' `databricks air run -f`
-where they make sense on one machine. Every mistake is an error before anything starts, naming
-the file, the line and the field.
+where they make sense: on this machine, or with `compute.nodes` above 1 on a Ray cluster. Every
+mistake is an error before anything starts, naming the file, the line and the field.
 
     experiment_name: my-experiment
     command: python train.py --lr 3e-4      # or: script: train.py + args: [...]
@@ -44,6 +44,7 @@ class Workload:
     payload: bytes | None  # a function's call
     options: Any  # _decorator.Options
     env: dict[str, str]
+    nodes: int  # above 1: a Ray job (ray_job.py)
 
 
 def load(path: str, overrides: list[str]) -> Workload:
@@ -123,9 +124,11 @@ def _check(fields: dict, where: _Where, base: Path) -> Workload:
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise where.error(("compute", "num_accelerators"), f"must be a positive whole number, not {count!r}")
     nodes = compute.get("nodes", 1)
-    if nodes != 1:
-        raise where.error(("compute", "nodes"), f"fanrun submit runs on this machine (nodes: 1); {nodes!r} machines "
-                                                 f"would go to Ray Jobs, which fanrun does not submit to yet")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise where.error(("compute", "nodes"), f"must be a positive whole number of machines, not {nodes!r}")
+    if nodes > 1 and count is not None and count % nodes:
+        raise where.error(("compute", "num_accelerators"), f"{count} ranks cannot be spread evenly over {nodes} nodes; "
+                                                            f"give a multiple of {nodes}")
     try:
         accelerator = parse_accelerator_type(compute.get("accelerator_type"))
     except (TypeError, ValueError) as error:
@@ -147,10 +150,15 @@ def _check(fields: dict, where: _Where, base: Path) -> Workload:
         num_accelerators=count, accelerator=accelerator,
         timeout=None if minutes is None else float(minutes) * 60,
         experiment_name=fields.get("experiment_name"), run_name=fields.get("mlflow_run_name"),
-        max_restarts=retries,
+        max_restarts=retries, nodes=nodes if nodes > 1 else None,
     )
     name, program, payload = _program(fields, where, base, _payload)
-    return Workload(name=name, fields=fields, program=program, payload=payload, options=options, env=env)
+    return Workload(name=name, fields=fields, program=program, payload=payload, options=options, env=env, nodes=nodes)
+
+
+def from_fields(fields: dict, base: Path) -> Workload:
+    """The workload of fields checked once already (load), in `base`: a Ray job's (ray_driver.py)."""
+    return _check(fields, _Where("workload", {}), base)
 
 
 def _program(fields: dict, where: _Where, base: Path, payload_module) -> tuple[str, RankProgram | None, bytes | None]:

@@ -38,6 +38,9 @@ class Launch:
     # keep_alive: the ranks the function's last call kept, and where this call's ranks are kept
     # once it ends well (_launch/spares.py).
     keep: KeptRanks | None = None
+    # The variables of `env` that the call sets itself (a workload's env_variables, tracking's):
+    # a cluster's ranks get them whatever their names.
+    added: frozenset[str] = frozenset()
 
 
 class Ranks(Protocol):

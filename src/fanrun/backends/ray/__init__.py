@@ -24,8 +24,8 @@ from . import connect, placement
 from .ranks import Node, RayRanks
 from .versions import differences, installed_versions
 
-# The caller's variables that go to every node's ranks: those that configure the libraries a
-# training function uses. The rest of a rank's environment is its node's own, as Ray gives it to
+# The caller's variables that go to every node's ranks: those the call sets (Launch.added), and
+# those that configure the libraries a training function uses. The rest of a rank's environment is its node's own, as Ray gives it to
 # the agent (PATH, HOME, CUDA_VISIBLE_DEVICES for the node's GPUs).
 FORWARDED_PREFIXES = (
     "FANRUN_", "MLFLOW_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "CUDA_LAUNCH_BLOCKING", "CUBLAS_",
@@ -79,7 +79,8 @@ class RayBackend:
             master_addr = nodes[0].address
             master_port = ray.get(agents[0].hold_rendezvous.remote(master_addr))
             payload = ray.put(launch.paths.payload.read_bytes()) if launch.expect_done else None
-            env = {key: value for key, value in launch.env.items() if key.startswith(FORWARDED_PREFIXES)}
+            env = {key: value for key, value in launch.env.items()
+                   if key.startswith(FORWARDED_PREFIXES) or key in launch.added}
             tracked = env.get(rank_tracking.VARIABLE, rank_tracking.OFF) != rank_tracking.OFF
             spec = {
                 "name": launch.paths.run_id[-40:],

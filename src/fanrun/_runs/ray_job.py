@@ -1,0 +1,138 @@
+"""A workload with `compute.nodes` above 1, run as a Ray job: the cluster's own job system keeps
+it going, whatever happens to the machine that submitted it, and fanrun schedules nothing itself.
+
+The job's entrypoint is ray_driver.py, run on the cluster's head in the workload file's folder
+(uploaded as the job's working_dir); it runs the call through fanrun's Ray backend and prints the
+outcome as its last line, marked with OUTCOME_MARK. Here, the run's directory records the
+cluster's address and the job's id (the run's id); status, logs, waiting and cancelling ask the
+cluster's job server, and a final status is recorded so that later reads need no cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sys
+import time
+from pathlib import Path
+
+from .._errors import FanrunError
+from . import store
+
+# The line of the job's output that carries the outcome (a pickled dict, as outcome.pkl holds).
+OUTCOME_MARK = "fanrun-outcome: "
+# Ray's job statuses as a run's.
+STATUS = {"PENDING": store.QUEUED, "RUNNING": store.RUNNING, "SUCCEEDED": store.FINISHED,
+          "FAILED": store.FAILED, "STOPPED": store.KILLED}
+
+
+def submit(directory: Path, workload, *, address: str, cwd: str) -> None:
+    """Submits the workload as the job of the run in `directory`, with the run's id as its id."""
+    fields = json.dumps(workload.fields)  # the file's own values: YAML scalars, lists and mappings
+    entrypoint = f"python -m fanrun._runs.ray_driver {base64.urlsafe_b64encode(fields.encode()).decode()}"
+    store.update_state(directory, status=store.QUEUED, name=workload.name, created=time.time(),
+                       ray_job={"address": address})
+    try:
+        _client(address).submit_job(entrypoint=entrypoint, submission_id=directory.name,
+                                    runtime_env={"working_dir": cwd}, metadata={"fanrun_run": workload.name})
+    except Exception as error:
+        store.update_state(directory, status=store.FAILED, ended=time.time(),
+                           reason=f"the Ray cluster at {address} did not take the job: {error}")
+        raise FanrunError(f"the Ray cluster at {address} did not take the job: {error}") from None
+
+
+class RayJob:
+    """The Ray job of one run, through the cluster's job server."""
+
+    def __init__(self, directory: Path, address: str) -> None:
+        self.directory = directory
+        self.id = directory.name
+        self.address = address
+
+    def status(self) -> str:
+        recorded = store.state(self.directory)
+        if recorded["status"] in store.FINAL:
+            return recorded["status"]
+        answer = self._call("get_job_status")
+        status = STATUS.get(str(getattr(answer, "value", answer)), store.RUNNING)
+        if status in store.FINAL:
+            store.update_state(self.directory, status=status, ended=time.time())
+        return status
+
+    def logs(self, rank: int | None = None) -> str:
+        return _shown(self._call("get_job_logs"), rank)
+
+    def follow(self, rank: int | None = None, timeout: float | None = None) -> None:
+        """Writes the job's output here from its start as it comes, until it ends (or `timeout`)."""
+        pending = ""  # a line that a chunk ended in the middle of
+
+        async def tail() -> None:
+            nonlocal pending
+            async for chunk in self._client().tail_job_logs(self.id):
+                whole, _, pending = (pending + chunk).rpartition("\n")
+                if whole:
+                    sys.stdout.write(_shown(whole + "\n", rank))
+                    sys.stdout.flush()
+
+        try:
+            asyncio.run(asyncio.wait_for(tail(), timeout))
+        except asyncio.TimeoutError:
+            pass
+        sys.stdout.write(_shown(pending, rank))
+        sys.stdout.flush()
+
+    def wait(self, timeout: float | None) -> str:
+        """The job server streams a job's logs until it ends: waiting is reading them to their end."""
+        if self.status() not in store.FINAL:
+            async def drain() -> None:
+                async for _ in self._client().tail_job_logs(self.id):
+                    pass
+
+            try:
+                asyncio.run(asyncio.wait_for(drain(), timeout))
+            except asyncio.TimeoutError:
+                pass
+        return self.status()
+
+    def outcome(self) -> bytes | None:
+        """outcome.pkl's bytes, from the driver's last line; recorded here once read."""
+        data = store.read_bytes(self.directory, store.OUTCOME)
+        if data is not None:
+            return data
+        for line in reversed(self._call("get_job_logs").splitlines()):
+            if line.startswith(OUTCOME_MARK):
+                data = base64.b64decode(line[len(OUTCOME_MARK):])
+                store.write_bytes(self.directory, store.OUTCOME, data)
+                return data
+        return None
+
+    def cancel(self) -> None:
+        self._call("stop_job")
+
+    def _client(self):
+        return _client(self.address)
+
+    def _call(self, method: str):
+        try:
+            return getattr(self._client(), method)(self.id)
+        except Exception as error:
+            raise FanrunError(f"run {self.id} is a job of the Ray cluster at {self.address}, which did not answer "
+                              f"({type(error).__name__}: {error})") from None
+
+
+def _client(address: str):
+    try:
+        from ray.job_submission import JobSubmissionClient
+    except ImportError:
+        raise FanrunError("a workload with compute.nodes above 1 runs as a Ray job: pip install 'ray[default]'") from None
+    return JobSubmissionClient(address)
+
+
+def _shown(text: str, rank: int | None) -> str:
+    """The job's output as a run's: without the outcome's line; with `rank`, that rank's lines alone."""
+    lines = [line for line in text.splitlines(keepends=True) if not line.startswith(OUTCOME_MARK)]
+    if rank is not None:
+        prefix = f"[rank{rank}]: "
+        lines = [line[len(prefix):] for line in lines if line.startswith(prefix)]
+    return "".join(lines)
