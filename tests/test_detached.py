@@ -196,18 +196,36 @@ env_variables: {{JOB_COLOUR: blue}}
 
 JOB = """\
 import os
-from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fanrun.data import VolumeReader, VolumeWriter, latest_checkpoint
 
 
 def train(steps):
+    # The pattern docs/detached.md shows: every attempt resumes from the newest complete checkpoint.
     attempt = int(os.environ["FANRUN_RESTART_COUNT"])
-    done = Path(f"done-{os.environ['RANK']}")
-    start = int(done.read_text()) if done.exists() else 0  # what an earlier attempt finished
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    initial = model.weight.detach().clone()
+    state = {"model": model.state_dict(), "step": 0}
+    if (last := latest_checkpoint("checkpoints")) is not None:  # None on the first attempt
+        dcp.load(state, storage_reader=VolumeReader(last))
+        model.load_state_dict(state["model"])
+    start = state["step"]
     for step in range(start, steps):
         if attempt == 0 and step == 1 and os.environ["RANK"] == "1":
             os.kill(os.getpid(), 9)  # the first attempt loses rank 1 midway
-        done.write_text(str(step + 1))
-    return [attempt, start, os.environ["JOB_COLOUR"], os.environ["TORCHELASTIC_RESTART_COUNT"]]
+        with torch.no_grad():
+            model.weight += 1.0
+        state = {"model": model.state_dict(), "step": step + 1}
+        dcp.save(state, storage_writer=VolumeWriter(f"checkpoints/step_{step}", keep_last=2))
+    dist.destroy_process_group()
+    added = float((model.weight - initial).mean())  # 1 per step, whichever attempt took it
+    return [attempt, start, added, os.environ["JOB_COLOUR"], os.environ["TORCHELASTIC_RESTART_COUNT"]]
 """
 
 
@@ -218,12 +236,12 @@ def submit(tmp_path, *args, retries=1):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 
-def test_submit_retries_a_failed_attempt_which_resumes_from_what_the_first_left(tmp_path):
+def test_submit_retries_a_failed_attempt_which_resumes_from_the_latest_checkpoint(tmp_path):
     done = submit(tmp_path, "--watch")
     assert done.returncode == 0, done.stderr
     run = fanrun.Run(done.stdout.splitlines()[0])
-    # Rank 0 finished all 3 steps in the first attempt; rank 1 had done 1 when it was killed.
-    assert run.result() == [[1, 3, "blue", "1"], [1, 1, "blue", "1"]]
+    # The first attempt checkpointed step 0 before rank 1 was killed: the second took steps 1 and 2.
+    assert run.result() == [[1, 1, 3.0, "blue", "1"], [1, 1, 3.0, "blue", "1"]]
     assert "attempt 1 of 2 failed (RankFailedError: Rank 1 of 2" in run.logs()
     assert wait_gone([runner_pid(run)], timeout=10) == []
 
