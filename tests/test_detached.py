@@ -16,6 +16,7 @@ import pytest
 import fanrun
 from fanrun import distributed
 from fanrun._runs import store
+from gpus import needs_gpus
 from processes import wait_gone
 
 
@@ -302,3 +303,29 @@ def test_a_restart_takes_ranks_started_while_the_first_attempt_ran(capfd):
     assert dies_once.distributed() == [(1, True), (1, True)]
     _, err = capfd.readouterr()
     assert "attempt 1 of 2 failed (RankFailedError: Rank 1 of 2" in err
+
+
+@distributed(num_accelerators=1, detach=True)
+def on_the_gpu(gate):
+    import os
+    import time
+
+    while not os.path.exists(gate):
+        time.sleep(0.02)
+    return os.environ["LOCAL_RANK"]
+
+
+@needs_gpus(1)
+def test_a_run_whose_gpu_is_busy_waits_queued_and_starts_when_the_first_ends(tmp_path):
+    first = on_the_gpu.distributed(str(tmp_path / "first"))
+    deadline = time.monotonic() + 60
+    while first.status != "RUNNING":
+        assert time.monotonic() < deadline and first.status == "QUEUED", first.logs()
+        time.sleep(0.05)
+    second = on_the_gpu.distributed(str(tmp_path / "second"))
+    (tmp_path / "second").touch()  # ready to go, but its GPU is the first run's
+    assert second.wait(timeout=3) == "QUEUED"
+    assert "is in use by 'on_the_gpu'" in second.logs()
+    (tmp_path / "first").touch()
+    assert first.result(timeout=60) == second.result(timeout=60) == ["0"]
+    assert second.info["started"] >= first.info["ended"] - 0.5
