@@ -190,5 +190,10 @@ class DataFileError(OSError, FanrunError):
     """A file of a dataset could not be read, nor fetched, after every retry."""
 
 
+class TableError(ValueError, FanrunError):
+    """A table cannot be read as asked: a file its log names is missing, a file is not Parquet,
+    a column or a version does not exist. The message names the table and the file."""
+
+
 class CacheLimitError(ValueError, FanrunError):
     """A dataset's cache_limit is smaller than what its prefetching needs."""

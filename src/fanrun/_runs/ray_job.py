@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from .._errors import FanrunError
+from ..backends.ray.jobs import job_client
 from . import store
 
 # The line of the job's output that carries the outcome (a pickled dict, as outcome.pkl holds).
@@ -34,7 +35,7 @@ def submit(directory: Path, workload, *, address: str, cwd: str) -> None:
     store.update_state(directory, status=store.QUEUED, name=workload.name, created=time.time(),
                        ray_job={"address": address})
     try:
-        _client(address).submit_job(entrypoint=entrypoint, submission_id=directory.name,
+        job_client(address).submit_job(entrypoint=entrypoint, submission_id=directory.name,
                                     runtime_env={"working_dir": cwd}, metadata={"fanrun_run": workload.name})
     except Exception as error:
         store.update_state(directory, status=store.FAILED, ended=time.time(),
@@ -111,7 +112,7 @@ class RayJob:
         self._call("stop_job")
 
     def _client(self):
-        return _client(self.address)
+        return job_client(self.address)
 
     def _call(self, method: str):
         try:
@@ -119,14 +120,6 @@ class RayJob:
         except Exception as error:
             raise FanrunError(f"run {self.id} is a job of the Ray cluster at {self.address}, which did not answer "
                               f"({type(error).__name__}: {error})") from None
-
-
-def _client(address: str):
-    try:
-        from ray.job_submission import JobSubmissionClient
-    except ImportError:
-        raise FanrunError("a workload with compute.nodes above 1 runs as a Ray job: pip install 'ray[default]'") from None
-    return JobSubmissionClient(address)
 
 
 def _shown(text: str, rank: int | None) -> str:

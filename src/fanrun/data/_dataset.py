@@ -226,7 +226,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------ fanrun.data.DataLoader's hooks
 
-    def _begin_pass(self, by_loader: bool = False) -> None:
+    def _begin_pass(self, by_loader: bool = False, num_workers: int = 0) -> None:
         self._loader_counts = by_loader
         _, world_size = _rank_and_world()
         start = self._next_offset

@@ -14,6 +14,7 @@ import torch.utils.data
 
 from .._rank import tracking as rank_tracking
 from ._dataset import VolumeDataset
+from ._table import TableDataset
 from ._first_batches import FirstBatchTurns
 
 
@@ -26,8 +27,8 @@ class DataLoader(torch.utils.data.DataLoader):
     - inside a tracked fanrun call, the fraction and the wait are logged at the end of each
       pass to the call's MLflow run, as ``data/stalled_fraction/rank_<RANK>`` and
       ``data/wait_seconds/rank_<RANK>`` with the pass number as step.
-    - with a VolumeDataset: workers read whole batches in turn, and the batches the main
-      process received are counted, so `dataset.state_dict()` resumes exactly. Forked
+    - with a VolumeDataset or a TableDataset: workers read whole batches in turn, and the
+      batches the main process received are counted, so `dataset.state_dict()` resumes exactly. Forked
       workers also make their first batches in turn, so that the first batch does not
       share the bandwidth with every other worker's (see _first_batches.py).
       persistent_workers=True is refused there: workers kept between epochs would not see
@@ -36,11 +37,11 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(self, dataset, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
-        self._volume = dataset if isinstance(dataset, VolumeDataset) else None
+        self._volume = dataset if isinstance(dataset, (VolumeDataset, TableDataset)) else None
         if self._volume is not None:
             if self.persistent_workers:
                 raise ValueError(
-                    "fanrun.data.DataLoader: persistent_workers=True cannot be used with a VolumeDataset: "
+                    f"fanrun.data.DataLoader: persistent_workers=True cannot be used with a {type(dataset).__name__}: "
                     "workers kept between epochs never see set_epoch() or load_state_dict(). Leave it False."
                 )
             self._volume._chunk = self.batch_size or 1
@@ -64,13 +65,13 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:
         volume = self._volume
         if volume is not None:
-            volume._begin_pass(by_loader=True)
-            if self.num_workers > 1 and self._forks_workers():
+            volume._begin_pass(by_loader=True, num_workers=self.num_workers)
+            if self.num_workers > 1 and self._forks_workers() and isinstance(volume, VolumeDataset):
                 volume._turns = FirstBatchTurns(self.num_workers)
         try:
             iterator = super().__iter__()  # workers start here, with the pass's start offset
         finally:
-            if volume is not None and volume._turns is not None:
+            if isinstance(volume, VolumeDataset) and volume._turns is not None:
                 volume._turns.close()  # the workers hold their own ends now
                 volume._turns = None
         if volume is not None:

@@ -1,0 +1,229 @@
+"""TableDataset: the rows of a Delta Lake or Parquet table, split across ranks and DataLoader
+workers without a sampler (_table_split.py), resumable mid-epoch with any world size."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch.utils.data
+
+from . import _split, _table_split
+from ._dataset import _rank_and_world
+from ._table_source import TableSource
+
+_STATE_VERSION = 1
+
+
+class TableDataset(torch.utils.data.IterableDataset):
+    """The rows of the table at `uri`, each yielded once per epoch across all ranks and workers.
+
+    uri: a Delta table (a folder with ``_delta_log``), a Parquet file, or a folder of them (hive
+        partitions such as ``day=2026-11-30/`` become columns); a local path, or a URL of a
+        filesystem pyarrow knows (``s3://``, ``gs://``, ``hdfs://``).
+    columns: the columns to read (default: all).
+    filter: a pyarrow expression on partition columns (``pyarrow.compute.field("day") >=
+        "2026-11-01"``); files it leaves out are never read.
+    version: a Delta table's version (default: the latest).
+    batch_rows: None: each item is a row, a dict of column to Python value. A number: each
+        item is up to that many rows, a dict of column to a tensor (numeric columns without
+        nulls, and fixed-size lists of them, shared with Arrow's memory where it allows) or
+        to a list of Python values (any other column).
+    shuffle, seed: each epoch orders the table's row groups by a permutation drawn from
+        (seed, epoch); set_epoch() picks it. Rows within a row group keep their order.
+    drop_last: every rank reads the same number of rows per epoch; by default a few (fewer than
+        the world size) are repeated to make it so, with drop_last=True a few are left out.
+    storage_options: passed to deltalake for a remote Delta table's log.
+    """
+
+    def __init__(self, uri: str, columns: Sequence[str] | None = None, filter: Any = None, version: int | None = None,
+                 batch_rows: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 storage_options: dict | None = None) -> None:
+        super().__init__()
+        if batch_rows is not None and (isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1):
+            raise ValueError(f"batch_rows must be a positive number of rows or None, not {batch_rows!r}")
+        self.source = TableSource(uri, columns=columns, filter=filter, version=version, storage_options=storage_options)
+        self.batch_rows = batch_rows
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self._epoch = 0
+        self._work: list[tuple[int, int]] | None = None  # a loaded state's: the rest of its epoch
+        self._resume_pending = False
+        self._chunk = 1  # items in each of the DataLoader's batches, set by fanrun.data.DataLoader
+        self._num_workers = 0
+        self._loader_counts = False
+        self._pass: tuple[list[tuple[int, int]], int, int, int] | None = None  # work, world size, workers, items per batch
+        self._consumed = 0  # items the main process received in this pass
+
+    # ------------------------------------------------------------ public
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.source.columns)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the table (those its deletion vectors and the filter leave)."""
+        return self.source.num_rows
+
+    def set_epoch(self, epoch: int) -> None:
+        """Chooses the epoch's order; a state just loaded for this epoch resumes it."""
+        if self._resume_pending and epoch == self._epoch:
+            return
+        self._epoch = epoch
+        self._work = None
+        self._resume_pending = False
+        self._pass = None
+        self._consumed = 0
+
+    def state_dict(self) -> dict:
+        """What this epoch has left to read, as intervals of its order's rows: valid for any world
+        size and any num_workers. Call it on any rank once every rank has consumed the same
+        number of items (as after the same number of DDP steps); rank 0's is enough. With
+        DataLoader workers, iterate through fanrun.data.DataLoader, which counts what the main
+        process received."""
+        if self._pass is None:
+            remaining = self._current_work()
+        else:
+            work, world_size, _, _ = self._pass
+            remaining = _table_split.remaining_after(work, world_size, self.drop_last,
+                                                     self._consumed * self._rows_per_item())
+        return {"version": _STATE_VERSION, "epoch": self._epoch, "remaining": [list(i) for i in remaining],
+                "num_rows": self.num_rows, "num_pieces": len(self.source.pieces), "seed": self.seed,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resumes at `state`: the next pass reads exactly the rows of that epoch not yet consumed."""
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"Not a TableDataset state of version {_STATE_VERSION}: {state!r}")
+        now = {"num_rows": self.num_rows, "num_pieces": len(self.source.pieces), "seed": self.seed, "shuffle": self.shuffle}
+        mismatches = [f"{key}: saved {state[key]!r}, now {value!r}" for key, value in now.items() if state[key] != value]
+        if mismatches:
+            raise ValueError("The state was saved for another table or order, so its rows would not be the same ("
+                             + "; ".join(mismatches) + ")")
+        work = [(int(a), int(b)) for a, b in state["remaining"]]
+        if any(not 0 <= a < b <= self.num_rows for a, b in work):
+            raise ValueError(f"The state's intervals {state['remaining']!r} are not within 0..{self.num_rows}")
+        self._epoch = int(state["epoch"])
+        self._work = work
+        self._resume_pending = True
+        self._pass = None
+        self._consumed = 0
+
+    def __len__(self) -> int:
+        """Items this rank reads in the next pass."""
+        _, world_size = _rank_and_world()
+        rows = _table_split.per_rank_count(_table_split.total(self._current_work()), world_size, self.drop_last)
+        return -(-rows // self._rows_per_item())
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        in_main = info is None
+        if in_main and not self._loader_counts:
+            self._begin_pass()
+            self._pass_started()
+        work, world_size, _, per_batch = self._pass
+        rank, _ = _rank_and_world()
+        span, _ = _table_split.rank_span(work, rank, world_size, self.drop_last)
+        if info is not None:
+            span = _table_split.worker_part(span, _table_split.total(span), info.id, info.num_workers,
+                                            per_batch * self._rows_per_item())
+        counts_here = in_main and not self._loader_counts
+        for item in self._items(span):
+            if counts_here:
+                self._consumed += 1
+            yield item
+
+    # ------------------------------------------------------------ fanrun.data.DataLoader's hooks
+
+    def _begin_pass(self, by_loader: bool = False, num_workers: int = 0) -> None:
+        self._loader_counts = by_loader
+        _, world_size = _rank_and_world()
+        # Without a loader, the main process reads the rank's whole span, one item at a time.
+        self._pass = (self._current_work(), world_size, num_workers if by_loader else 0, self._chunk if by_loader else 1)
+        self._consumed = 0
+
+    def _pass_started(self) -> None:
+        self._work = None  # later passes are whole epochs
+        self._resume_pending = False
+
+    def _count_consumed(self, items: int) -> None:
+        self._consumed += items
+
+    def _end_pass(self) -> None:
+        self._loader_counts = False
+
+    # ------------------------------------------------------------ reading
+
+    def _rows_per_item(self) -> int:
+        return self.batch_rows or 1
+
+    def _current_work(self) -> list[tuple[int, int]]:
+        return self._work if self._work is not None else ([(0, self.num_rows)] if self.num_rows else [])
+
+    def _order(self) -> tuple[list[int], list[int]]:
+        """The epoch's pieces in order, and where each one's rows start along it."""
+        order = _split.permutation(len(self.source.pieces), self.seed, self._epoch, self.shuffle)
+        starts = list(itertools.accumulate((self.source.pieces[i].rows for i in order), initial=0))
+        return order, starts
+
+    def _items(self, intervals: list[tuple[int, int]]) -> Iterator[Any]:
+        order, starts = self._order()
+        pending = None  # rows of a batch that continues in the next piece
+        held: tuple[int, Any] = (-1, None)  # the row group in use, read once for all its intervals
+        for a, b in intervals:
+            position = a
+            while position < b:
+                at = bisect.bisect_right(starts, position) - 1
+                end = min(b, starts[at + 1])
+                if held[0] != at:
+                    held = (at, self.source.read(self.source.pieces[order[at]]))
+                table = held[1].slice(position - starts[at], end - position)
+                position = end
+                if self.batch_rows is None:
+                    yield from table.to_pylist()
+                    continue
+                if pending is not None:
+                    import pyarrow as pa
+
+                    table = pa.concat_tables([pending, table])
+                cut = table.num_rows - table.num_rows % self.batch_rows
+                for start in range(0, cut, self.batch_rows):
+                    yield _to_tensors(table.slice(start, self.batch_rows))
+                pending = table.slice(cut) if cut < table.num_rows else None
+        if pending is not None:
+            yield _to_tensors(pending)
+
+
+def _to_tensors(table) -> dict[str, Any]:
+    """A batch as a dict: tensors where Arrow's memory can be shared (numeric columns without
+    nulls, fixed-size lists of them), copies for booleans, Python lists otherwise."""
+    import numpy
+    import pyarrow as pa
+
+    out: dict[str, Any] = {}
+    for name, column in zip(table.column_names, table.columns):
+        array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        kind = array.type
+        values = None
+        if array.null_count == 0:
+            if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+                values = array.to_numpy(zero_copy_only=True)
+            elif pa.types.is_boolean(kind):
+                values = array.to_numpy(zero_copy_only=False)
+            elif (pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type))
+                  and array.values.null_count == 0):
+                flat = array.values.slice(array.offset * kind.list_size, len(array) * kind.list_size)
+                values = flat.to_numpy(zero_copy_only=True).reshape(len(array), kind.list_size)
+        if values is None:
+            out[name] = array.to_pylist()
+            continue
+        with warnings.catch_warnings():
+            # Arrow's buffers are read-only; the tensor shares them, as the docs above say.
+            warnings.simplefilter("ignore", UserWarning)
+            out[name] = torch.from_numpy(values) if isinstance(values, numpy.ndarray) else values
+    return out

@@ -1,0 +1,252 @@
+"""A table as TableDataset reads it: its files, their row groups (the pieces an epoch orders),
+the rows a Delta deletion vector removes, and the columns asked for.
+
+Parquet files and directories (hive partitions too) are opened with pyarrow's datasets; Delta
+tables with the `deltalake` package (delta-rs), which gives the files of a version, their
+partition values and their deletion vectors. Either way the rows are read by pyarrow, one row
+group at a time. Every problem found is a TableError that names the table and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import TableError
+
+
+@dataclasses.dataclass(frozen=True)
+class TableFile:
+    path: str  # on `filesystem`
+    partition: dict[str, Any]  # the partition columns' values, constant over the file
+    keep: Any = None  # numpy bool mask of the file's rows that a deletion vector leaves, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One row group of one file: `rows` live rows, from the file's row `first_row` on."""
+
+    file: int
+    row_group: int
+    first_row: int
+    stored_rows: int
+    rows: int
+
+
+class TableSource:
+    def __init__(self, uri: str, *, columns: Sequence[str] | None, filter: Any, version: int | None,
+                 storage_options: dict | None) -> None:
+        try:
+            import pyarrow.fs
+        except ImportError:
+            raise TableError(f"table {uri}: reading tables needs pyarrow: pip install 'fanrun[table]'") from None
+        self.uri = str(uri)
+        try:
+            self.filesystem, root = pyarrow.fs.FileSystem.from_uri(_as_uri(self.uri))
+        except Exception as error:
+            raise TableError(f"table {self.uri}: cannot open its filesystem ({error})") from None
+        if _is_delta(self.filesystem, root):
+            self.kind = "Delta table"
+            self.schema, self.files = _delta(self.uri, root, version, storage_options, filter)
+        else:
+            if version is not None:
+                raise TableError(f"table {self.uri}: version={version} asks for a Delta table's version, and this is "
+                                 f"no Delta table (no _delta_log folder): leave version unset")
+            self.kind = "Parquet table"
+            self.schema, self.files = _parquet(self.filesystem, root, self.uri, filter)
+        self.partition_columns = [name for name in (self.files[0].partition if self.files else {})]
+        self.columns = self._columns(columns, version)
+        self.pieces = self._pieces()
+        self._open: dict[int, Any] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return sum(piece.rows for piece in self.pieces)
+
+    def _columns(self, columns: Sequence[str] | None, version: int | None) -> list[str]:
+        names = list(self.schema.names)
+        if columns is None:
+            return names
+        if isinstance(columns, str):
+            raise TypeError(f"columns must be a list of column names, not the string {columns!r}")
+        missing = [c for c in columns if c not in names]
+        if missing:
+            at = f" at version {version}" if version is not None else ""
+            raise TableError(f"{self.kind} {self.uri}{at} has no column {', '.join(map(repr, missing))}; "
+                             f"its columns are {', '.join(names)}")
+        return list(columns)
+
+    def _pieces(self) -> list[Piece]:
+        import pyarrow.parquet as pq
+
+        pieces = []
+        for index, file in enumerate(self.files):
+            try:
+                with self.filesystem.open_input_file(file.path) as handle:
+                    metadata = pq.ParquetFile(handle).metadata
+            except FileNotFoundError:
+                raise TableError(self._missing(file)) from None
+            except Exception as error:
+                raise TableError(f"{self.kind} {self.uri}: its file {file.path} is not a readable Parquet file "
+                                 f"({type(error).__name__}: {error})") from None
+            first = 0
+            for group in range(metadata.num_row_groups):
+                stored = metadata.row_group(group).num_rows
+                live = stored if file.keep is None else int(file.keep[first:first + stored].sum())
+                if live:
+                    pieces.append(Piece(index, group, first, stored, live))
+                first += stored
+        return pieces
+
+    def _missing(self, file: TableFile) -> str:
+        if self.kind == "Delta table":
+            return (f"Delta table {self.uri}: its log names the file {file.path}, which does not exist (removed by "
+                    f"hand, or by a VACUUM of a version still read); read another version, or repair the table")
+        return f"{self.kind} {self.uri}: its file {file.path} disappeared while the table was opened"
+
+    def read(self, piece: Piece):
+        """The piece's live rows, as a pyarrow Table of the asked columns."""
+        import pyarrow as pa
+
+        file = self.files[piece.file]
+        reader = self._reader(piece.file)
+        stored = [c for c in self.columns if c not in file.partition and c in reader.schema_arrow.names]
+        try:
+            table = reader.read_row_group(piece.row_group, columns=stored)
+        except Exception as error:
+            raise TableError(f"{self.kind} {self.uri}: row group {piece.row_group} of {file.path} cannot be read "
+                             f"({type(error).__name__}: {error})") from None
+        if file.keep is not None:
+            table = table.filter(pa.array(file.keep[piece.first_row:piece.first_row + piece.stored_rows]))
+        arrays = []
+        for name in self.columns:
+            field = self.schema.field(name)
+            if name in file.partition:
+                arrays.append(pa.array([file.partition[name]] * table.num_rows, type=field.type))
+            elif name in table.column_names:
+                arrays.append(table.column(name).cast(field.type) if table.schema.field(name).type != field.type
+                              else table.column(name))
+            else:  # a column added after this file was written: null in its rows
+                arrays.append(pa.nulls(table.num_rows, type=field.type))
+        return pa.Table.from_arrays(arrays, names=self.columns)
+
+    def _reader(self, index: int):
+        import pyarrow.parquet as pq
+
+        reader = self._open.get(index)
+        if reader is None:
+            if len(self._open) >= _OPEN_FILES:
+                self._open.pop(next(iter(self._open))).close()
+            path = self.files[index].path
+            try:
+                reader = pq.ParquetFile(self.filesystem.open_input_file(path))
+            except FileNotFoundError:
+                raise TableError(self._missing(self.files[index])) from None
+            self._open[index] = reader
+        return reader
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_open"] = {}  # open files stay in the process that opened them
+        return state
+
+
+# Parquet files a reader keeps open: a worker's region goes through its row groups in order.
+_OPEN_FILES = 8
+
+
+def _as_uri(uri: str) -> str:
+    return uri if "://" in uri else os.path.abspath(uri)
+
+
+def _is_delta(filesystem, root: str) -> bool:
+    import pyarrow.fs
+
+    info = filesystem.get_file_info(root.rstrip("/") + "/_delta_log")
+    return info.type == pyarrow.fs.FileType.Directory
+
+
+def _parquet(filesystem, root: str, uri: str, filter: Any):
+    import pyarrow.dataset as ds
+    import pyarrow.fs
+
+    info = filesystem.get_file_info(root)
+    if info.type == pyarrow.fs.FileType.NotFound:
+        raise TableError(f"table {uri} does not exist")
+    try:
+        dataset = ds.dataset(root, format="parquet", partitioning="hive", filesystem=filesystem,
+                             exclude_invalid_files=False)
+    except Exception as error:
+        raise TableError(f"Parquet table {uri}: cannot be opened ({type(error).__name__}: {error})") from None
+    fragments = list(dataset.get_fragments())
+    if not fragments:
+        raise TableError(f"Parquet table {uri} holds no Parquet file")
+    partition_names = [n for n in dataset.partitioning.schema.names] if dataset.partitioning is not None else []
+    files = [TableFile(f.path, {k: v for k, v in ds.get_partition_keys(f.partition_expression).items()
+                                if k in partition_names}) for f in fragments]
+    files = _pruned(files, partition_names, filter, uri)
+    return dataset.schema, sorted(files, key=lambda f: f.path)
+
+
+def _delta(uri: str, root: str, version: int | None, storage_options: dict | None, filter: Any):
+    import pyarrow as pa
+
+    try:
+        from deltalake import DeltaTable
+    except ImportError:
+        raise TableError(f"table {uri} is a Delta table: pip install deltalake to read it") from None
+    try:
+        table = DeltaTable(uri, version=version, storage_options=storage_options)
+    except Exception as error:
+        raise TableError(f"Delta table {uri}: cannot be opened{f' at version {version}' if version is not None else ''} "
+                         f"({type(error).__name__}: {error})") from None
+    schema = pa.schema(table.schema().to_arrow())
+    partition_names = list(table.metadata().partition_columns)
+    actions = pa.table(table.get_add_actions(flatten=True)).to_pylist()
+    masks = {}
+    for batch in pa.RecordBatchReader.from_stream(table.deletion_vectors()):
+        for path, keep in zip(batch.column("filepath").to_pylist(), batch.column("selection_vector").to_pylist()):
+            masks[path] = keep
+    import numpy
+
+    base = root.rstrip("/")
+    files = []
+    for action in actions:
+        relative = urllib.parse.unquote(action["path"])
+        path = relative if "://" in relative else f"{base}/{relative}"
+        keep = masks.get(f"{table.table_uri.rstrip('/')}/{action['path']}")
+        partition = {name: action.get(f"partition.{name}") for name in partition_names}
+        files.append(TableFile(path, partition, numpy.asarray(keep, dtype=bool) if keep is not None else None))
+    if not files:
+        raise TableError(f"Delta table {uri}{f' at version {version}' if version is not None else ''} has no rows")
+    return schema, sorted(_pruned(files, partition_names, filter, uri), key=lambda f: f.path)
+
+
+def _pruned(files: list[TableFile], partition_names: list[str], filter: Any, uri: str) -> list[TableFile]:
+    """The files whose partition values pass `filter` (a pyarrow expression on partition columns)."""
+    if filter is None:
+        return files
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    if not isinstance(filter, pc.Expression):
+        raise TypeError(f"filter must be a pyarrow expression on partition columns, such as "
+                        f"pyarrow.compute.field('day') == '2026-11-30', not {type(filter).__name__}")
+    values = pa.table({**{name: [f.partition.get(name) for f in files] for name in partition_names},
+                       "__index": list(range(len(files)))})
+    try:
+        kept = ds.dataset(values).to_table(filter=filter).column("__index").to_pylist()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as error:
+        named = re.search(r"FieldRef\.Name\((\w+)\)", str(error))
+        if named is None:
+            raise TableError(f"table {uri}: the filter cannot be applied to its partition columns "
+                             f"({', '.join(partition_names) or 'none'}): {error}") from None
+        raise TableError(f"table {uri}: filter names {named.group(1)!r}, which is not a partition column (those are "
+                         f"{', '.join(partition_names) or 'none'}); a filter prunes whole files, so that every rank "
+                         f"knows its rows before reading: filter other columns in the training loop") from None
+    return [files[i] for i in kept]

@@ -1,0 +1,259 @@
+"""TableDataset on real tables written here: Parquet with hive partitions, strings, lists and
+nulls; Delta tables written with deltalake, with a deletion vector and several versions. Rows
+and batches against the tables' own readers, every row once per epoch over 1-4 ranks with real
+DataLoader workers, a run killed with SIGKILL and resumed on 3 ranks, and each bad input."""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pytest
+import torch
+
+from delta_tables import delete_rows, live_files
+from fanrun import RankFailedError, distributed
+from fanrun.data import DataLoader, TableDataset, TableError
+
+deltalake = pytest.importorskip("deltalake")
+
+ROWS = 200
+
+
+def rows_of(n: int, first: int = 0) -> pa.Table:
+    ids = range(first, first + n)
+    return pa.table({
+        "id": pa.array(ids, pa.int64()),
+        "day": [f"2026-11-{i % 3 + 28}" for i in ids],
+        "text": [None if i % 7 == 0 else f"row {i}" for i in ids],
+        "tags": [[f"t{i}"] * (i % 3) for i in ids],
+        "vec": pa.array([[float(i), 0.5, -1.0] for i in ids], pa.list_(pa.float32(), 3)),
+    })
+
+
+@pytest.fixture(scope="module")
+def parquet(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("parquet") / "table"
+    # Row groups of at most 9 rows, uneven at the end of every file.
+    ds.write_dataset(rows_of(ROWS), root, format="parquet", partitioning=["day"], partitioning_flavor="hive",
+                     max_rows_per_group=9, min_rows_per_group=0, max_rows_per_file=40)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def delta(tmp_path_factory) -> dict:
+    """Version 0: 120 rows in 3 files; 1: 80 more; 2: a deletion vector over the first file;
+    3: a column added."""
+    from deltalake import write_deltalake
+    from deltalake.writer import WriterProperties
+
+    root = str(tmp_path_factory.mktemp("delta") / "table")
+    small_groups = WriterProperties(max_row_group_size=16)
+    plain = rows_of(ROWS).drop_columns(["tags", "vec"])
+    write_deltalake(root, plain.slice(0, 120), configuration={"delta.enableDeletionVectors": "true"},
+                    writer_properties=small_groups, target_file_size=1)
+    write_deltalake(root, plain.slice(120), mode="append", writer_properties=small_groups)
+    first = sorted(live_files(root), key=lambda add: add["path"])[0]
+    deleted = [0, 3, 17, 18, 19, 33]
+    delete_rows(root, first, deleted)
+    extra = plain.slice(0, 5).append_column("extra", pa.array(["x"] * 5))
+    write_deltalake(root, extra.set_column(0, "id", pa.array(range(1000, 1005), pa.int64())), mode="append",
+                    schema_mode="merge", writer_properties=small_groups)
+    return {"root": root}
+
+
+def reference(table) -> list[dict]:
+    return sorted(table.to_pylist(), key=lambda row: row["id"])
+
+
+def delta_rows(root: str, version: int | None = None) -> list[dict]:
+    from deltalake import DeltaTable
+
+    return reference(pa.RecordBatchReader.from_stream(DeltaTable(root, version=version).scan()).read_all())
+
+
+# ---------------------------------------------------------------- what is read
+
+
+def test_parquet_rows_are_the_tables_own_with_partition_values_nulls_and_lists(parquet):
+    dataset = TableDataset(parquet, shuffle=False)
+    assert dataset.num_rows == ROWS and dataset.columns == ["id", "text", "tags", "vec", "day"]
+    expected = reference(ds.dataset(parquet, format="parquet", partitioning="hive").to_table())
+    assert sorted(dataset, key=lambda row: row["id"]) == expected
+    assert expected[7]["text"] is None and expected[5]["tags"] == ["t5", "t5"] and expected[1]["day"] == "2026-11-29"
+
+
+def test_batches_are_tensors_where_arrow_allows_and_lists_otherwise(parquet):
+    dataset = TableDataset(parquet, columns=["id", "vec", "text"], batch_rows=16, shuffle=False)
+    batches = list(dataset)
+    assert [len(b["id"]) for b in batches] == [16] * 12 + [8]
+    first = batches[0]
+    assert first["id"].dtype == torch.int64 and first["vec"].shape == (16, 3) and first["vec"].dtype == torch.float32
+    assert isinstance(first["text"], list) and len(first["text"]) == 16
+    ids = torch.cat([b["id"] for b in batches]).tolist()
+    assert sorted(ids) == list(range(ROWS))
+    vec = torch.cat([b["vec"] for b in batches])
+    assert vec[:, 0].tolist() == [float(i) for i in ids] and set(vec[:, 1].tolist()) == {0.5}
+
+
+def test_a_partition_filter_prunes_files_and_other_columns_are_refused(parquet):
+    kept = TableDataset(parquet, filter=pc.field("day") == "2026-11-29", columns=["id"])
+    assert sorted(row["id"] for row in kept) == [i for i in range(ROWS) if i % 3 == 1]
+    assert all(kept.source.files[p.file].partition["day"] == "2026-11-29" for p in kept.source.pieces)
+    with pytest.raises(TableError, match=r"filter names 'id', which is not a partition column \(those are day\)"):
+        TableDataset(parquet, filter=pc.field("id") > 3)
+
+
+def test_delta_rows_honour_the_deletion_vector_and_versions_read_as_they_were(delta):
+    root = delta["root"]
+    latest = TableDataset(root, shuffle=False)
+    assert sorted(latest, key=lambda row: row["id"]) == delta_rows(root)
+    assert latest.num_rows == ROWS - 6 + 5
+    assert any(file.keep is not None for file in latest.source.files)
+    before_delete = TableDataset(root, version=1, shuffle=False)
+    assert sorted(before_delete, key=lambda row: row["id"]) == delta_rows(root, 1) and before_delete.num_rows == ROWS
+    assert "extra" not in before_delete.columns
+    # Files written before the column was added read it as null.
+    assert {row["extra"] for row in latest} == {None, "x"}
+
+
+# ---------------------------------------------------------------- over ranks and workers
+
+
+def read_as_ranks(path: str, world_size: int, workers: list[int], monkeypatch, epoch: int = 0, **options) -> list[list[int]]:
+    per_rank = []
+    for rank in range(world_size):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        dataset = TableDataset(path, columns=["id"], seed=5, **options)
+        dataset.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_size=4, num_workers=workers[rank % len(workers)])
+        per_rank.append([int(i) for batch in loader for i in batch["id"]])
+    return per_rank
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("workers", [[2, 1], [2, 1, 0]])
+def test_every_row_once_per_epoch_over_ranks_and_workers(parquet, monkeypatch, world_size, workers):
+    per_rank = read_as_ranks(parquet, world_size, workers, monkeypatch)
+    counts = {len(ids) for ids in per_rank}
+    assert counts == {-(-ROWS // world_size)}  # the same on every rank
+    seen = collections.Counter(i for ids in per_rank for i in ids)
+    assert set(seen) == set(range(ROWS))
+    assert sum(seen.values()) - ROWS < world_size  # the padding: fewer repeats than ranks
+
+
+def test_epochs_reshuffle_and_drop_last_leaves_out_fewer_than_the_world_size(parquet, monkeypatch):
+    first = read_as_ranks(parquet, 3, [2], monkeypatch, epoch=0)
+    again = read_as_ranks(parquet, 3, [1], monkeypatch, epoch=0)
+    second = read_as_ranks(parquet, 3, [2], monkeypatch, epoch=1)
+    assert first == again and first != second
+    dropped = read_as_ranks(parquet, 3, [2], monkeypatch, drop_last=True)
+    ids = [i for rank in dropped for i in rank]
+    assert len(ids) == len(set(ids)) == ROWS - ROWS % 3
+
+
+@distributed(num_accelerators=2)
+def train_until_killed(table: str, out: str, steps_before_kill: int):
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from fanrun.data import DataLoader, TableDataset
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dataset = TableDataset(table, columns=["id"], seed=9, batch_rows=3)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2 if rank == 0 else 1)
+    for step, batch in enumerate(loader):
+        if step == steps_before_kill and rank == 1:
+            os.kill(os.getpid(), 9)
+        with open(os.path.join(out, f"read-{rank}"), "a") as log:
+            log.write(json.dumps(batch["id"].tolist()) + "\n")
+        dist.barrier()  # every rank took this step
+        if rank == 0:
+            with open(os.path.join(out, "state.json"), "w") as state:
+                json.dump(dataset.state_dict(), state)
+        dist.barrier()  # the state is saved before anyone goes on
+
+
+@distributed(num_accelerators=3)
+def resume(table: str, out: str):
+    import json
+    import os
+
+    from fanrun.data import DataLoader, TableDataset
+
+    dataset = TableDataset(table, columns=["id"], seed=9, batch_rows=5)
+    with open(os.path.join(out, "state.json")) as state:
+        dataset.load_state_dict(json.load(state))
+    loader = DataLoader(dataset, batch_size=None, num_workers=int(os.environ["RANK"]))
+    return [i for batch in loader for i in batch["id"].tolist()]
+
+
+def test_a_run_killed_with_sigkill_resumes_on_3_ranks_with_exactly_the_rest(delta, tmp_path):
+    with pytest.raises(RankFailedError, match="Rank 1 of 2"):
+        train_until_killed.distributed(delta["root"], str(tmp_path), 7)
+    before = collections.Counter()
+    for rank in range(2):
+        lines = (tmp_path / f"read-{rank}").read_text().splitlines()
+        for line in lines[:7]:  # the steps the saved state counts
+            before.update(json.loads(line))
+    after = collections.Counter(i for ids in resume.distributed(delta["root"], str(tmp_path)) for i in ids)
+    everything = {row["id"] for row in delta_rows(delta["root"])}
+    assert set(before) | set(after) == everything
+    assert not set(before) & set(after)
+    assert sum(before.values()) == len(before) and sum(after.values()) - len(after) < 3
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_a_corrupt_parquet_footer_names_the_table_and_the_file(parquet, tmp_path):
+    root = tmp_path / "table"
+    shutil.copytree(parquet, root)
+    victim = sorted(root.rglob("*.parquet"))[2]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-12] + b"\0" * 12)  # the footer's length and magic gone
+    with pytest.raises(TableError, match=rf"Parquet table {root}: its file {victim} is not a readable Parquet file"):
+        TableDataset(str(root))
+
+
+def test_a_column_that_does_not_exist_is_named_with_those_that_do(parquet):
+    with pytest.raises(TableError, match=r"has no column 'label'; its columns are id, text, tags, vec, day"):
+        TableDataset(parquet, columns=["id", "label"])
+
+
+def test_a_delta_log_that_names_a_missing_file_is_named(delta, tmp_path):
+    root = tmp_path / "table"
+    shutil.copytree(delta["root"], root)
+    gone = sorted(root.glob("*.parquet"))[-1]
+    gone.unlink()
+    with pytest.raises(TableError, match=rf"Delta table {root}: its log names the file {gone}, which does not exist"):
+        TableDataset(str(root))
+
+
+def test_a_column_added_in_a_later_version_is_refused_at_an_earlier_one(delta):
+    with pytest.raises(TableError, match=r"at version 1 has no column 'extra'; its columns are id, day, text"):
+        TableDataset(delta["root"], version=1, columns=["id", "extra"])
+    assert TableDataset(delta["root"], columns=["id", "extra"]).num_rows == ROWS - 6 + 5
+
+
+def test_other_bad_input_is_refused_before_any_read(parquet, tmp_path):
+    with pytest.raises(TableError, match=r"version=2 asks for a Delta table's version, and this is no Delta table"):
+        TableDataset(parquet, version=2)
+    with pytest.raises(TableError, match=r"table .*nowhere does not exist"):
+        TableDataset(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"batch_rows must be a positive number of rows or None, not 0"):
+        TableDataset(parquet, batch_rows=0)
+    with pytest.raises(TypeError, match=r"filter must be a pyarrow expression"):
+        TableDataset(parquet, filter="day = 1")
+    dataset = TableDataset(parquet)
+    state = dataset.state_dict()
+    with pytest.raises(ValueError, match=r"saved for another table or order, .*\(seed: saved 0, now 1\)"):
+        TableDataset(parquet, seed=1).load_state_dict(state)
