@@ -36,12 +36,14 @@ SMOKE_RUNS = {
     "restart.py": ([], ["seconds from the death of rank 1 to the next attempt's first step", "  fanrun ",
                         "Goal: restart latency at most 0.5x torchrun's"]),
     "results.py": ([], ["cost of returning s", "torch.save+load s", "Goal: returning costs at most 1.5x"]),
+    "table.py": ([], ["rows/s", "fanrun, cold", "pyarrow", "hf-datasets", "streaming", "ray-data", "Goals:",
+                      "warm: TableDataset >= 1.5x the best peer"]),
     "throughput.py": ([], ["fanrun/torchrun", "ddp ", "fsdp "]),
     "tracking.py": ([], ["| mode |", "log_metric every step (fanrun's default)", "vs off"]),
     "tracking_cost.py": ([], ["| ranks sleep s | call | on | off | on - off | goal |", "| first call |", "| calls 2-2 |", "| whole script |"]),
 }
 # A Ray cluster binds to the machine's address, unless it runs where loopback alone is up.
-IN_A_NETWORK_NAMESPACE = {"ray.py", "ray_gpu.py"}
+IN_A_NETWORK_NAMESPACE = {"ray.py", "ray_gpu.py", "table.py"}
 # gpu_session.sh drives the GPU machine itself; test_gpu_session_steps_exist checks it.
 NOT_PYTHON = {"gpu_session.sh"}
 

@@ -21,6 +21,7 @@ from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_d
                      native_http_allowed, open_cache_dir, parse_byte_size)
 from ._dataset_source import SourceFile, shared_listing
 from ._first_batches import FirstBatchTurns, Turn
+from ._passes import CountedPasses
 from ._per_process import PerProcess
 
 _STATE_VERSION = 1
@@ -40,7 +41,7 @@ def _close_cache(reference: weakref.ref) -> None:
         cache.close()  # joins its threads before the interpreter stops answering them
 
 
-class VolumeDataset(torch.utils.data.IterableDataset):
+class VolumeDataset(CountedPasses, torch.utils.data.IterableDataset):
     """The files under `source`, each yielded once per epoch across all ranks and workers
     as a local path, or as `transform(path)`.
 
@@ -126,7 +127,6 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self._next_offset = 0  # where the next pass of this epoch starts
         self._resume_pending = False
         self._chunk = 1  # the DataLoader's batch size, set by fanrun.data.DataLoader
-        self._loader_counts = False  # a fanrun.data.DataLoader pass counts consumption in the main process
         self._pass: tuple[int, int, int] | None = None  # (start offset, world size, per-rank count)
         self._consumed = 0
         self._own_engine_parts()
@@ -202,12 +202,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         return _split.per_rank_count(len(self._files) - self._next_offset, world_size, self.drop_last)
 
     def __iter__(self) -> Iterator[Any]:
+        in_worker = self._own_pass()
         info = torch.utils.data.get_worker_info()
-        in_main = info is None
-        if in_main and not self._loader_counts:
-            self._begin_pass()
-            self._pass_started()
-        start = self._pass[0] if in_main else self._next_offset
+        start = self._next_offset if in_worker else self._pass[0]
         rank, world_size = _rank_and_world()
         order = _split.permutation(len(self._files), self.seed, self._epoch, self.shuffle)
         entries = _split.rank_entries(order, start, rank, world_size, self.drop_last)
@@ -218,11 +215,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
             if self._turns is not None and self._turns.owner == os.getppid():
                 turn = self._turns.turn(info.id)
                 self._turns = None
-        counts_here = in_main and not self._loader_counts
-        for sample in self._samples(entries, turn):
-            if counts_here:
-                self._consumed += 1
-            yield sample
+        yield from self._counted(self._samples(entries, turn))
 
     # ------------------------------------------------------------ fanrun.data.DataLoader's hooks
 
@@ -237,12 +230,6 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         # The workers have their copy of the start offset; later passes are whole epochs.
         self._next_offset = 0
         self._resume_pending = False
-
-    def _count_consumed(self, samples: int) -> None:
-        self._consumed += samples
-
-    def _end_pass(self) -> None:
-        self._loader_counts = False
 
     # ------------------------------------------------------------ reading
 

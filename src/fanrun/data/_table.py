@@ -13,12 +13,13 @@ import torch.utils.data
 
 from . import _split, _table_split
 from ._dataset import _rank_and_world
+from ._passes import CountedPasses
 from ._table_source import TableSource
 
 _STATE_VERSION = 1
 
 
-class TableDataset(torch.utils.data.IterableDataset):
+class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
     """The rows of the table at `uri`, each yielded once per epoch across all ranks and workers.
 
     uri: a Delta table (a folder with ``_delta_log``), a Parquet file, or a folder of them (hive
@@ -54,10 +55,7 @@ class TableDataset(torch.utils.data.IterableDataset):
         self._work: list[tuple[int, int]] | None = None  # a loaded state's: the rest of its epoch
         self._resume_pending = False
         self._chunk = 1  # items in each of the DataLoader's batches, set by fanrun.data.DataLoader
-        self._num_workers = 0
-        self._loader_counts = False
-        self._pass: tuple[list[tuple[int, int]], int, int, int] | None = None  # work, world size, workers, items per batch
-        self._consumed = 0  # items the main process received in this pass
+        self._pass: tuple[list[tuple[int, int]], int, int] | None = None  # work, world size, items per loader batch
 
     # ------------------------------------------------------------ public
 
@@ -89,7 +87,7 @@ class TableDataset(torch.utils.data.IterableDataset):
         if self._pass is None:
             remaining = self._current_work()
         else:
-            work, world_size, _, _ = self._pass
+            work, world_size, _ = self._pass
             remaining = _table_split.remaining_after(work, world_size, self.drop_last,
                                                      self._consumed * self._rows_per_item())
         return {"version": _STATE_VERSION, "epoch": self._epoch, "remaining": [list(i) for i in remaining],
@@ -121,22 +119,15 @@ class TableDataset(torch.utils.data.IterableDataset):
         return -(-rows // self._rows_per_item())
 
     def __iter__(self) -> Iterator[Any]:
+        self._own_pass()
         info = torch.utils.data.get_worker_info()
-        in_main = info is None
-        if in_main and not self._loader_counts:
-            self._begin_pass()
-            self._pass_started()
-        work, world_size, _, per_batch = self._pass
+        work, world_size, per_batch = self._pass
         rank, _ = _rank_and_world()
         span, _ = _table_split.rank_span(work, rank, world_size, self.drop_last)
         if info is not None:
             span = _table_split.worker_part(span, _table_split.total(span), info.id, info.num_workers,
                                             per_batch * self._rows_per_item())
-        counts_here = in_main and not self._loader_counts
-        for item in self._items(span):
-            if counts_here:
-                self._consumed += 1
-            yield item
+        yield from self._counted(self._items(span))
 
     # ------------------------------------------------------------ fanrun.data.DataLoader's hooks
 
@@ -144,18 +135,12 @@ class TableDataset(torch.utils.data.IterableDataset):
         self._loader_counts = by_loader
         _, world_size = _rank_and_world()
         # Without a loader, the main process reads the rank's whole span, one item at a time.
-        self._pass = (self._current_work(), world_size, num_workers if by_loader else 0, self._chunk if by_loader else 1)
+        self._pass = (self._current_work(), world_size, self._chunk if by_loader else 1)
         self._consumed = 0
 
     def _pass_started(self) -> None:
         self._work = None  # later passes are whole epochs
         self._resume_pending = False
-
-    def _count_consumed(self, items: int) -> None:
-        self._consumed += items
-
-    def _end_pass(self) -> None:
-        self._loader_counts = False
 
     # ------------------------------------------------------------ reading
 

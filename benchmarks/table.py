@@ -1,0 +1,278 @@
+"""Benchmark: one Parquet table's rows in batches, N ranks x W DataLoader workers, with
+TableDataset against plain pyarrow iteration, Hugging Face `datasets` (Parquet, streaming),
+MosaicML streaming (MDS written from the same table) and Ray Data
+(`read_parquet(...).iter_torch_batches`): rows per second warm (page cache) and cold (the files
+dropped from the page cache first), against `cat`'s raw read of the same files, and the time to
+the first batch.
+
+Every method yields batches of --batch rows: the numeric columns as tensors, the string
+column as a list. The ranks' methods run in a fanrun call of their own, from a barrier in every
+rank; the slowest rank's time is the method's. Ray Data runs in the caller as its users run
+it: one consumer, its reads spread by Ray over ranks x workers CPUs. Times include building the
+dataset and starting the workers.
+
+    python benchmarks/table.py                 # 1 M rows
+    python benchmarks/table.py --rows 10000000 # the issue's table
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import evict, import_streaming  # noqa: E402  (benchmarks/data.py)
+
+GOAL_RATIO = 1.5
+GOAL_RAW_FRACTION = 0.9
+GOAL_FIRST_BATCH_S = 1.0
+RANK_METHODS = ("fanrun", "pyarrow", "hf-datasets", "streaming")
+PEERS = ("pyarrow", "hf-datasets", "streaming", "ray-data")
+FILES = 16  # at least ranks x workers, so that every peer's worker has files of its own
+
+
+def make_table(directory: Path, rows: int) -> None:
+    import numpy
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    per_file = -(-rows // FILES)
+    rng = numpy.random.default_rng(0)
+    for index in range(FILES):
+        first, count = index * per_file, max(0, min(per_file, rows - index * per_file))
+        ids = numpy.arange(first, first + count, dtype=numpy.int64)
+        table = pa.table({
+            "id": ids,
+            "x": rng.random(count, dtype=numpy.float32),
+            "y": rng.random(count, dtype=numpy.float32),
+            "label": (ids % 10).astype(numpy.int32),
+            "text": pa.array([f"row {i} of the table" for i in ids.tolist()]),
+        })
+        pq.write_table(table, directory / f"part-{index:03d}.parquet", row_group_size=65536)
+
+
+def to_mds(table: Path, out: Path) -> float:
+    import pyarrow.dataset as ds
+
+    streaming = import_streaming()
+    started = time.perf_counter()
+    columns = {"id": "int64", "x": "float32", "y": "float32", "label": "int32", "text": "str"}
+    with streaming.MDSWriter(out=str(out), columns=columns, size_limit=1 << 26) as writer:
+        for batch in ds.dataset(table).to_batches():
+            for row in batch.to_pylist():
+                writer.write(row)
+    return time.perf_counter() - started
+
+
+def raw_read(directory: Path, parallel: int, cold: bool) -> float:
+    """MB/s of `cat` over every file of the table, `parallel` at a time."""
+    total = sum(p.stat().st_size for p in directory.glob("*.parquet"))
+    if cold:
+        evict(directory)
+    started = time.perf_counter()
+    subprocess.run(f"ls {directory}/*.parquet | xargs -P {parallel} -n 1 cat > /dev/null", shell=True, check=True)
+    return total / (time.perf_counter() - started) / 1e6
+
+
+# ---------------------------------------------------------------- what the ranks run
+
+
+def rank_methods(spec: dict) -> dict:
+    """In every rank: the method of spec, from a barrier, over the whole table once."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import torch.utils.data
+
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch, workers, name = spec["batch"], spec["workers"], spec["method"]
+    numeric = ("id", "x", "y", "label")
+
+    def tensors(record_batch) -> dict:
+        out = {c: torch.from_numpy(record_batch.column(c).to_numpy()) for c in numeric}
+        out["text"] = record_batch.column("text").to_pylist()
+        return out
+
+    class PyarrowFiles(torch.utils.data.IterableDataset):
+        """Plain pyarrow: each worker iterates the batches of its own files."""
+
+        def __iter__(self):
+            import pyarrow.dataset as ds
+
+            info = torch.utils.data.get_worker_info()
+            readers = world * (info.num_workers if info else 1)
+            me = rank * (info.num_workers if info else 1) + (info.id if info else 0)
+            files = spec["files"][me::readers]
+            for record_batch in ds.dataset(files, format="parquet").to_batches(batch_size=batch):
+                yield tensors(record_batch)
+
+    def make():
+        if name == "fanrun":
+            from fanrun.data import DataLoader, TableDataset
+
+            return DataLoader(TableDataset(spec["table"], batch_rows=batch), batch_size=None, num_workers=workers)
+        if name == "pyarrow":
+            return torch.utils.data.DataLoader(PyarrowFiles(), batch_size=None, num_workers=workers)
+        if name == "hf-datasets":
+            from datasets import load_dataset
+            from datasets.distributed import split_dataset_by_node
+
+            rows = load_dataset("parquet", data_files=spec["files"], split="train", streaming=True)
+            rows = split_dataset_by_node(rows, rank=rank, world_size=world).with_format("torch")
+            return torch.utils.data.DataLoader(rows, batch_size=batch, num_workers=workers)
+        streaming = import_streaming()
+        rows = streaming.StreamingDataset(local=spec["mds"], shuffle=False, batch_size=batch)
+        return torch.utils.data.DataLoader(rows, batch_size=batch, num_workers=workers)
+
+    dist.barrier()
+    started = time.perf_counter()
+    first, count = None, 0
+    try:
+        for item in make():
+            if first is None:
+                first = time.perf_counter() - started
+            count += len(item["id"])
+        result = {"first": first, "elapsed": time.perf_counter() - started, "rows": count}
+    except Exception as error:  # one method failing must not hide the others' figures
+        result = {"error": f"{type(error).__name__}: {error}"}
+    dist.destroy_process_group()
+    return result
+
+
+def ray_data(spec: dict) -> dict:
+    """Ray Data in the caller: read_parquet, iter_torch_batches; Ray spreads the reads."""
+    import ray
+
+    import torch
+
+    ray.init(num_cpus=spec["ranks"] * spec["workers"], include_dashboard=False, log_to_driver=False)
+    try:
+        started = time.perf_counter()
+        first, count = None, 0
+
+        def collate(columns: dict) -> dict:
+            out = {c: torch.from_numpy(columns[c]) for c in ("id", "x", "y", "label")}
+            out["text"] = columns["text"].tolist()
+            return out
+
+        rows = ray.data.read_parquet(spec["table"])
+        for item in rows.iter_torch_batches(batch_size=spec["batch"], collate_fn=collate):
+            if first is None:
+                first = time.perf_counter() - started
+            count += len(item["id"])
+        return {"first": first, "elapsed": time.perf_counter() - started, "rows": count}
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------- the caller
+
+
+def measure(name: str, spec: dict, launch) -> dict:
+    if name == "ray-data":
+        return ray_data(spec)
+    per_rank = launch.distributed({**spec, "method": name})
+    errors = [r["error"] for r in per_rank if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    return {"first": max(r["first"] for r in per_rank), "elapsed": max(r["elapsed"] for r in per_rank),
+            "rows": sum(r["rows"] for r in per_rank)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--methods", nargs="+", default=["fanrun", *PEERS], choices=["fanrun", *PEERS])
+    parser.add_argument("--dir", type=Path, help="keep the table here between runs (default: a temporary folder)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny table, one worker: every path runs (its figures mean nothing)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.workers, args.batch = 20_000, 1, 256
+    os.environ.setdefault("FANRUN_TRACKING", "0")
+    from fanrun import distributed
+
+    work = args.dir or Path(tempfile.mkdtemp(prefix="fanrun-table-bench-"))
+    table, mds = work / "table", work / "mds"
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"{args.rows} rows, {args.ranks} ranks x {args.workers} workers, batches of {args.batch} rows", flush=True)
+    try:
+        if not table.exists():
+            make_table(table, args.rows)
+        notes = {"table MB": sum(p.stat().st_size for p in table.glob("*.parquet")) / 1e6}
+        if "streaming" in args.methods and not mds.exists():
+            notes["MDS conversion s"] = to_mds(table, mds)
+        spec = {"table": str(table), "files": sorted(str(p) for p in table.glob("*.parquet")), "mds": str(mds),
+                "batch": args.batch, "workers": args.workers, "ranks": args.ranks}
+        launch = distributed(num_accelerators=args.ranks, tracking=False)(rank_methods)
+        parallel = args.ranks * args.workers
+        results = {}
+        for name in args.methods:
+            measure(name, spec, launch)  # once untimed: the files in the page cache, imports done
+            results[name] = measure(name, spec, launch)
+            raw = raw_read(table, parallel, cold=True)
+            evict(table, mds)
+            results[name + ", cold"] = {**measure(name, spec, launch), "raw cold MB/s": raw}
+        notes["raw MB/s (page cache)"] = raw_read(table, parallel, cold=False)
+        print(render(results, notes, args.rows), flush=True)
+        print("Goals:")
+        for line in goals(results, notes):
+            print("  " + line)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def render(results: dict, notes: dict, rows: int) -> str:
+    lines = [f"{'method':<22} {'rows/s':>12} {'MB/s':>8} {'first batch s':>14} {'rows':>10}"]
+    for name, cell in results.items():
+        if "error" in cell:
+            lines.append(f"{name:<22} error: {cell['error'][:100]}")
+            continue
+        rate = cell["rows"] / cell["elapsed"]
+        megabytes = notes["table MB"] * cell["rows"] / rows / cell["elapsed"]
+        lines.append(f"{name:<22} {rate:>12,.0f} {megabytes:>8.0f} {cell['first']:>14.2f} {cell['rows']:>10}")
+    lines.append("; ".join(f"{k}: {v:.1f}" for k, v in notes.items()))
+    return "\n".join(lines)
+
+
+def goals(results: dict, notes: dict) -> list[str]:
+    ours = results.get("fanrun")
+    if not ours or "error" in ours:
+        return ["TableDataset did not run"]
+    out = []
+    rate = ours["rows"] / ours["elapsed"]
+    peers = {name: cell["rows"] / cell["elapsed"] for name, cell in results.items()
+             if name in PEERS and "error" not in cell}
+    if peers:
+        best = max(peers, key=peers.get)
+        ratio = rate / peers[best]
+        out.append(f"warm: TableDataset >= {GOAL_RATIO}x the best peer ({best}): "
+                   f"{'holds' if ratio >= GOAL_RATIO else 'NOT MET'} ({ratio:.2f}x)")
+    cold = results.get("fanrun, cold")
+    if cold and "error" not in cold:
+        fraction = notes["table MB"] / cold["elapsed"] / cold["raw cold MB/s"]
+        out.append(f"cold: TableDataset >= {GOAL_RAW_FRACTION:.0%} of the disk's raw read rate: "
+                   f"{'holds' if fraction >= GOAL_RAW_FRACTION else 'NOT MET'} ({fraction:.0%})")
+    out.append(f"first batch within {GOAL_FIRST_BATCH_S:g} s: {'holds' if ours['first'] <= GOAL_FIRST_BATCH_S else 'NOT MET'} "
+               f"({ours['first']:.2f} s)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
