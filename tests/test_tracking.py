@@ -1290,7 +1290,8 @@ def quick():
 
 quick.distributed()
 runs = mlflow.MlflowClient({server!r}).search_runs([{experiment_id!r}])
-print("at return", runs[0].info.status if runs else "not made yet", flush=True)
+# One write: the run's line, shown from another thread once the run exists, may come at any time.
+print(f"at return {runs[0].info.status if runs else 'not made yet'}", flush=True)
 """
 
 
