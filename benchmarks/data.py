@@ -433,6 +433,8 @@ def main() -> None:
     if args.full:
         args.small_files, args.small_kb, args.large_files, args.large_mb = 20000, 100, 200, 10
     corpora = [Corpus("small", args.small_files, args.small_kb * 1000), Corpus("large", args.large_files, args.large_mb * 1000 * 1000)]
+    if args.smoke:
+        corpora = corpora[:1]  # the large corpus takes the same paths through this script
     os.environ.setdefault("FANRUN_TRACKING", "0")
 
     from nginx_server import NginxServer
