@@ -1291,7 +1291,7 @@ def quick():
 quick.distributed()
 runs = mlflow.MlflowClient({server!r}).search_runs([{experiment_id!r}])
 # One write: the run's line, shown from another thread once the run exists, may come at any time.
-print(f"at return {runs[0].info.status if runs else 'not made yet'}", flush=True)
+print(f"at return {{runs[0].info.status if runs else 'not made yet'}}", flush=True)
 """
 
 

@@ -20,8 +20,9 @@ constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
 // A rank killed by a signal (SIGKILL from the OOM killer, SIGSEGV) drops its connections, and
 // its peers' collectives fail with "connection reset" at once, often before the killed rank's
 // keeper has reported the death. A death by a signal the supervisor did not send, seen this soon
-// after the first failure, is the root cause instead.
-constexpr double kPeerFailureWindowS = 1.0;
+// after the first failure, is the root cause instead. (On a loaded 2-core machine the report
+// came more than 1 s after a peer's.)
+constexpr double kPeerFailureWindowS = 3.0;
 
 // What a descriptor that Wait() polls stands for, besides its rank.
 enum class Watched { kExit, kStdout, kStderr, kControl };

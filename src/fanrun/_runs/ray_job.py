@@ -36,7 +36,7 @@ def submit(directory: Path, workload, *, address: str, cwd: str) -> None:
                        ray_job={"address": address})
     try:
         job_client(address).submit_job(entrypoint=entrypoint, submission_id=directory.name,
-                                    runtime_env={"working_dir": cwd}, metadata={"fanrun_run": workload.name})
+                                       runtime_env={"working_dir": cwd}, metadata={"fanrun_run": workload.name})
     except Exception as error:
         store.update_state(directory, status=store.FAILED, ended=time.time(),
                            reason=f"the Ray cluster at {address} did not take the job: {error}")
@@ -64,8 +64,8 @@ class RayJob:
     def logs(self, rank: int | None = None) -> str:
         return _shown(self._call("get_job_logs"), rank)
 
-    def follow(self, rank: int | None = None, timeout: float | None = None) -> None:
-        """Writes the job's output here from its start as it comes, until it ends (or `timeout`)."""
+    def follow(self, rank: int | None = None) -> None:
+        """Writes the job's output here from its start as it comes, until it ends."""
         pending = ""  # a line that a chunk ended in the middle of
 
         async def tail() -> None:
@@ -76,10 +76,7 @@ class RayJob:
                     sys.stdout.write(_shown(whole + "\n", rank))
                     sys.stdout.flush()
 
-        try:
-            asyncio.run(asyncio.wait_for(tail(), timeout))
-        except asyncio.TimeoutError:
-            pass
+        asyncio.run(tail())
         sys.stdout.write(_shown(pending, rank))
         sys.stdout.flush()
 
@@ -97,7 +94,9 @@ class RayJob:
         return self.status()
 
     def outcome(self) -> bytes | None:
-        """outcome.pkl's bytes, from the driver's last line; recorded here once read."""
+        """outcome.pkl's bytes, from the driver's last line; recorded here once read. Run.result()
+        unpickles them: the cluster is trusted with that as the Ray backend trusts it with every
+        call's results, and as it is trusted to run the workload at all."""
         data = store.read_bytes(self.directory, store.OUTCOME)
         if data is not None:
             return data

@@ -58,7 +58,6 @@ class TableSource:
                                  f"no Delta table (no _delta_log folder): leave version unset")
             self.kind = "Parquet table"
             self.schema, self.files = _parquet(self.filesystem, root, self.uri, filter)
-        self.partition_columns = [name for name in (self.files[0].partition if self.files else {})]
         self.columns = self._columns(columns, version)
         self.pieces = self._pieces()
         self._open: dict[int, Any] = {}
