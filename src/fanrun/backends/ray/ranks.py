@@ -28,7 +28,7 @@ FOLLOWER_STOP_S = 10.0
 # (the OOM killer's SIGKILL, a SIGSEGV), seen this soon after a rank on another node failed, is
 # the root cause, since its peers' collectives fail the moment its connections drop. The
 # supervisors' own SIGKILL comes KILL_GRACE_S after their SIGTERM, well outside this.
-PEER_FAILURE_WINDOW_S = 1.0
+PEER_FAILURE_WINDOW_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
