@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -13,8 +14,10 @@ import torch.utils.data
 
 from . import _split, _table_split
 from ._dataset import _rank_and_world
+from ._cache import default_cache_dir, parse_byte_size
 from ._passes import CountedPasses
-from ._table_source import TableSource
+from ._table_remote import PREFETCH_FILES
+from ._table_source import OPEN_FILES, TableSource
 
 _STATE_VERSION = 1
 
@@ -37,16 +40,25 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         (seed, epoch); set_epoch() picks it. Rows within a row group keep their order.
     drop_last: every rank reads the same number of rows per epoch; by default a few (fewer than
         the world size) are repeated to make it so, with drop_last=True a few are left out.
-    storage_options: passed to deltalake for a remote Delta table's log.
+    storage_options: a remote table's credentials and client settings, for deltalake (a Delta
+        table's log) and for fsspec (URLs pyarrow has no filesystem of its own for, such as
+        ``http://``).
+    cache_dir, cache_limit: where a remote table's files are cached on this node, whole, as
+        VolumeDataset caches files (shared by ranks and runs; by default fanrun/data under
+        ``$XDG_CACHE_HOME`` or ``~/.cache``), and the most bytes kept there (None: no limit).
+        Each reader fetches the next files of its part while it reads one.
     """
 
     def __init__(self, uri: str, columns: Sequence[str] | None = None, filter: Any = None, version: int | None = None,
                  batch_rows: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None) -> None:
         super().__init__()
         if batch_rows is not None and (isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1):
             raise ValueError(f"batch_rows must be a positive number of rows or None, not {batch_rows!r}")
-        self.source = TableSource(uri, columns=columns, filter=filter, version=version, storage_options=storage_options)
+        self.source = TableSource(uri, columns=columns, filter=filter, version=version, storage_options=storage_options,
+                                  cache_dir=os.fspath(cache_dir) if cache_dir is not None else default_cache_dir(),
+                                  cache_limit=parse_byte_size(cache_limit))
         self.batch_rows = batch_rows
         self.shuffle = shuffle
         self.seed = seed
@@ -56,6 +68,7 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         self._resume_pending = False
         self._chunk = 1  # items in each of the DataLoader's batches, set by fanrun.data.DataLoader
         self._pass: tuple[list[tuple[int, int]], int, int] | None = None  # work, world size, items per loader batch
+        self._check_limit(num_workers=0)  # before any work; the workers check again knowing their number
 
     # ------------------------------------------------------------ public
 
@@ -125,6 +138,7 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         rank, _ = _rank_and_world()
         span, _ = _table_split.rank_span(work, rank, world_size, self.drop_last)
         if info is not None:
+            self._check_limit(num_workers=info.num_workers)
             span = _table_split.worker_part(span, _table_split.total(span), info.id, info.num_workers,
                                             per_batch * self._rows_per_item())
         yield from self._counted(self._items(span))
@@ -147,6 +161,11 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
     def _rows_per_item(self) -> int:
         return self.batch_rows or 1
 
+    def _check_limit(self, num_workers: int) -> None:
+        if self.source.remote is not None:
+            readers = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * max(1, num_workers)
+            self.source.remote.check_limit(readers, OPEN_FILES)
+
     def _current_work(self) -> list[tuple[int, int]]:
         return self._work if self._work is not None else ([(0, self.num_rows)] if self.num_rows else [])
 
@@ -157,7 +176,15 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         return order, starts
 
     def _items(self, intervals: list[tuple[int, int]]) -> Iterator[Any]:
+        try:
+            yield from self._read_items(intervals)
+        finally:
+            self.source.close_files()  # a remote table's files are then the cache's to evict
+
+    def _read_items(self, intervals: list[tuple[int, int]]) -> Iterator[Any]:
         order, starts = self._order()
+        in_turn = _files_in_turn(intervals, order, starts, self.source.pieces)
+        files = {file: position for position, file in enumerate(in_turn)}
         pending = None  # rows of a batch that continues in the next piece
         held: tuple[int, Any] = (-1, None)  # the row group in use, read once for all its intervals
         for a, b in intervals:
@@ -166,7 +193,10 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
                 at = bisect.bisect_right(starts, position) - 1
                 end = min(b, starts[at + 1])
                 if held[0] != at:
-                    held = (at, self.source.read(self.source.pieces[order[at]]))
+                    piece = self.source.pieces[order[at]]
+                    ahead = files[piece.file] + 1
+                    self.source.prefetch(in_turn[ahead:ahead + PREFETCH_FILES])
+                    held = (at, self.source.read(piece))
                 table = held[1].slice(position - starts[at], end - position)
                 position = end
                 if self.batch_rows is None:
@@ -182,6 +212,15 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
                 pending = table.slice(cut) if cut < table.num_rows else None
         if pending is not None:
             yield _to_tensors(pending)
+
+
+def _files_in_turn(intervals: list[tuple[int, int]], order: list[int], starts: list[int], pieces: list) -> list[int]:
+    """The files the intervals' rows come from, each once, in the order they are first read."""
+    files: dict[int, None] = {}
+    for a, b in intervals:
+        for at in range(bisect.bisect_right(starts, a) - 1, bisect.bisect_left(starts, b)):
+            files.setdefault(pieces[order[at]].file)
+    return list(files)
 
 
 def _to_tensors(table) -> dict[str, Any]:

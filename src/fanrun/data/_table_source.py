@@ -4,7 +4,8 @@ the rows a Delta deletion vector removes, and the columns asked for.
 Parquet files and directories (hive partitions too) are opened with pyarrow's datasets; Delta
 tables with the `deltalake` package (delta-rs), which gives the files of a version, their
 partition values and their deletion vectors. Either way the rows are read by pyarrow, one row
-group at a time. Every problem found is a TableError that names the table and the file.
+group at a time. A remote table's footers are read in place, its files through the node's file
+cache (_table_remote.py). Every problem found is a TableError that names the table and the file.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import TableError
+from .._errors import FanrunError, TableError
+from ._table_remote import RemoteFiles
 
 
 @dataclasses.dataclass(frozen=True)
 class TableFile:
     path: str  # on `filesystem`
+    source: str  # its URL (a remote table's) or local path: what the cache and the messages name
     partition: dict[str, Any]  # the partition columns' values, constant over the file
     keep: Any = None  # numpy bool mask of the file's rows that a deletion vector leaves, or None
 
@@ -39,27 +42,29 @@ class Piece:
 
 class TableSource:
     def __init__(self, uri: str, *, columns: Sequence[str] | None, filter: Any, version: int | None,
-                 storage_options: dict | None) -> None:
+                 storage_options: dict | None, cache_dir: str, cache_limit: int) -> None:
         try:
             import pyarrow.fs
         except ImportError:
             raise TableError(f"table {uri}: reading tables needs pyarrow: pip install 'fanrun[table]'") from None
         self.uri = str(uri)
-        try:
-            self.filesystem, root = pyarrow.fs.FileSystem.from_uri(_as_uri(self.uri))
-        except Exception as error:
-            raise TableError(f"table {self.uri}: cannot open its filesystem ({error})") from None
+        storage_options = dict(storage_options or {})
+        self.filesystem, root, by_fsspec = _filesystem(self.uri, storage_options)
         if _is_delta(self.filesystem, root):
             self.kind = "Delta table"
-            self.schema, self.files = _delta(self.uri, root, version, storage_options, filter)
+            self.schema, self.files = _delta(self.uri, self.filesystem, root, version, storage_options, filter)
         else:
             if version is not None:
                 raise TableError(f"table {self.uri}: version={version} asks for a Delta table's version, and this is "
                                  f"no Delta table (no _delta_log folder): leave version unset")
             self.kind = "Parquet table"
-            self.schema, self.files = _parquet(self.filesystem, root, self.uri, filter)
+            self.schema, self.files = _parquet(self.filesystem, root, self.uri, filter, by_fsspec, storage_options)
         self.columns = self._columns(columns, version)
         self.pieces = self._pieces()
+        self.remote = None
+        if not isinstance(self.filesystem, pyarrow.fs.LocalFileSystem):
+            sizes = [info.size for info in self.filesystem.get_file_info([f.path for f in self.files])]
+            self.remote = RemoteFiles(self.filesystem, self.files, sizes, cache_dir, cache_limit, storage_options)
         self._open: dict[int, Any] = {}
 
     @property
@@ -90,7 +95,7 @@ class TableSource:
             except FileNotFoundError:
                 raise TableError(self._missing(file)) from None
             except Exception as error:
-                raise TableError(f"{self.kind} {self.uri}: its file {file.path} is not a readable Parquet file "
+                raise TableError(f"{self.kind} {self.uri}: its file {file.source} is not a readable Parquet file "
                                  f"({type(error).__name__}: {error})") from None
             first = 0
             for group in range(metadata.num_row_groups):
@@ -103,9 +108,9 @@ class TableSource:
 
     def _missing(self, file: TableFile) -> str:
         if self.kind == "Delta table":
-            return (f"Delta table {self.uri}: its log names the file {file.path}, which does not exist (removed by "
+            return (f"Delta table {self.uri}: its log names the file {file.source}, which does not exist (removed by "
                     f"hand, or by a VACUUM of a version still read); read another version, or repair the table")
-        return f"{self.kind} {self.uri}: its file {file.path} disappeared while the table was opened"
+        return f"{self.kind} {self.uri}: its file {file.source} disappeared while the table was opened"
 
     def read(self, piece: Piece):
         """The piece's live rows, as a pyarrow Table of the asked columns."""
@@ -117,7 +122,7 @@ class TableSource:
         try:
             table = reader.read_row_group(piece.row_group, columns=stored)
         except Exception as error:
-            raise TableError(f"{self.kind} {self.uri}: row group {piece.row_group} of {file.path} cannot be read "
+            raise TableError(f"{self.kind} {self.uri}: row group {piece.row_group} of {file.source} cannot be read "
                              f"({type(error).__name__}: {error})") from None
         if file.keep is not None:
             table = table.filter(pa.array(file.keep[piece.first_row:piece.first_row + piece.stored_rows]))
@@ -125,7 +130,7 @@ class TableSource:
         for name in self.columns:
             field = self.schema.field(name)
             if name in file.partition:
-                arrays.append(pa.array([file.partition[name]] * table.num_rows, type=field.type))
+                arrays.append(pa.repeat(pa.scalar(file.partition[name], type=field.type), table.num_rows))
             elif name in table.column_names:
                 arrays.append(table.column(name).cast(field.type) if table.schema.field(name).type != field.type
                               else table.column(name))
@@ -133,20 +138,43 @@ class TableSource:
                 arrays.append(pa.nulls(table.num_rows, type=field.type))
         return pa.Table.from_arrays(arrays, names=self.columns)
 
+    def prefetch(self, indices: list[int]) -> None:
+        """Files read soon: a remote table's are fetched into the cache meanwhile."""
+        if self.remote is not None:
+            self.remote.prefetch(indices)
+
+    def close_files(self) -> None:
+        while self._open:
+            self._close(next(iter(self._open)))
+
     def _reader(self, index: int):
         import pyarrow.parquet as pq
 
         reader = self._open.get(index)
         if reader is None:
-            if len(self._open) >= _OPEN_FILES:
-                self._open.pop(next(iter(self._open))).close()
-            path = self.files[index].path
+            if len(self._open) >= OPEN_FILES:
+                self._close(next(iter(self._open)))
             try:
-                reader = pq.ParquetFile(self.filesystem.open_input_file(path))
+                if self.remote is None:
+                    reader = pq.ParquetFile(self.filesystem.open_input_file(self.files[index].path))
+                else:
+                    path = self.remote.acquire(index)
+                    try:
+                        reader = pq.ParquetFile(path)
+                    except BaseException:
+                        self.remote.release(index)
+                        raise
             except FileNotFoundError:
                 raise TableError(self._missing(self.files[index])) from None
+            except FanrunError as error:  # the engine's message names the source and the attempts
+                raise TableError(f"{self.kind} {self.uri}: {error}") from None
             self._open[index] = reader
         return reader
+
+    def _close(self, index: int) -> None:
+        self._open.pop(index).close()
+        if self.remote is not None:
+            self.remote.release(index)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -155,11 +183,27 @@ class TableSource:
 
 
 # Parquet files a reader keeps open: a worker's region goes through its row groups in order.
-_OPEN_FILES = 8
+OPEN_FILES = 8
 
 
-def _as_uri(uri: str) -> str:
-    return uri if "://" in uri else os.path.abspath(uri)
+def _filesystem(uri: str, storage_options: dict):
+    """The table's pyarrow filesystem, the table's path on it, and whether fsspec serves it:
+    pyarrow's own for local paths and the stores it knows (s3, gs, hdfs), else fsspec's for the
+    URL (http, and any store whose fsspec package is installed), with the storage options."""
+    import pyarrow.fs
+
+    try:
+        filesystem, root = pyarrow.fs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
+        return filesystem, root, False
+    except Exception as error:
+        native_error = error
+    try:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(uri, **storage_options)
+    except Exception as error:
+        raise TableError(f"table {uri}: cannot open its filesystem ({native_error}; fsspec: {error})") from None
+    return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)), root, True
 
 
 def _is_delta(filesystem, root: str) -> bool:
@@ -169,29 +213,66 @@ def _is_delta(filesystem, root: str) -> bool:
     return info.type == pyarrow.fs.FileType.Directory
 
 
-def _parquet(filesystem, root: str, uri: str, filter: Any):
+def _parquet(filesystem, root: str, uri: str, filter: Any, by_fsspec: bool, storage_options: dict):
     import pyarrow.dataset as ds
     import pyarrow.fs
 
-    info = filesystem.get_file_info(root)
-    if info.type == pyarrow.fs.FileType.NotFound:
-        raise TableError(f"table {uri} does not exist")
+    if by_fsspec:
+        # fsspec's own listing (HTTP's too, where a folder looks like a file), then pyarrow's
+        # dataset of those files, their hive partitions taken from the paths below the root.
+        source = _fsspec_parquet_files(filesystem.handler.fs, root, uri)
+        options = {"partition_base_dir": root.rstrip("/")}
+    else:
+        if filesystem.get_file_info(root).type == pyarrow.fs.FileType.NotFound:
+            raise TableError(f"table {uri} does not exist")
+        source, options = root, {}
     try:
-        dataset = ds.dataset(root, format="parquet", partitioning="hive", filesystem=filesystem,
-                             exclude_invalid_files=False)
+        dataset = ds.dataset(source, format="parquet", partitioning="hive", filesystem=filesystem,
+                             exclude_invalid_files=False, **options)
     except Exception as error:
         raise TableError(f"Parquet table {uri}: cannot be opened ({type(error).__name__}: {error})") from None
     fragments = list(dataset.get_fragments())
     if not fragments:
         raise TableError(f"Parquet table {uri} holds no Parquet file")
     partition_names = [n for n in dataset.partitioning.schema.names] if dataset.partitioning is not None else []
-    files = [TableFile(f.path, {k: v for k, v in ds.get_partition_keys(f.partition_expression).items()
-                                if k in partition_names}) for f in fragments]
+    files = [TableFile(f.path, _url(filesystem, f.path), {k: v for k, v in ds.get_partition_keys(f.partition_expression).items()
+                                                          if k in partition_names}) for f in fragments]
     files = _pruned(files, partition_names, filter, uri)
     return dataset.schema, sorted(files, key=lambda f: f.path)
 
 
-def _delta(uri: str, root: str, version: int | None, storage_options: dict | None, filter: Any):
+def _fsspec_parquet_files(fs, root: str, uri: str) -> list[str]:
+    """The Parquet files below `root` on fsspec's filesystem, as pyarrow's datasets choose them:
+    none whose name starts with '_' or '.', at any level (_SUCCESS, _delta_log, .crc files)."""
+    if not fs.exists(root):
+        raise TableError(f"table {uri} does not exist")
+    if not fs.isdir(root):  # HTTP's filesystem says "file" for any URL that answers, so asked second
+        return [root]
+    base = root.rstrip("/")
+    # An HTTP server's index gives the names percent-encoded ("day%3D2026-11-30"): decoded, the
+    # hive partitions are found in them, and the server is asked for the same files.
+    http = urllib.parse.urlsplit(base).scheme in ("http", "https")
+    found = []
+    for path, info in sorted(fs.find(root, detail=True).items()):
+        path = urllib.parse.unquote(path) if http else path
+        relative = path[len(base):].strip("/") if path.startswith(base) else path.rsplit("/", 1)[-1]
+        if info.get("type") != "directory" and not any(part[:1] in ("_", ".") for part in relative.split("/")):
+            found.append(path)
+    return found
+
+
+def _url(filesystem, path: str) -> str:
+    """What the cache and the messages name a file by: its URL, or a local file's path."""
+    import pyarrow.fs
+
+    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        return path
+    if isinstance(filesystem, pyarrow.fs.PyFileSystem):
+        return filesystem.handler.fs.unstrip_protocol(path)
+    return f"{filesystem.type_name}://{path}"
+
+
+def _delta(uri: str, filesystem, root: str, version: int | None, storage_options: dict, filter: Any):
     import pyarrow as pa
 
     try:
@@ -199,7 +280,7 @@ def _delta(uri: str, root: str, version: int | None, storage_options: dict | Non
     except ImportError:
         raise TableError(f"table {uri} is a Delta table: pip install deltalake to read it") from None
     try:
-        table = DeltaTable(uri, version=version, storage_options=storage_options)
+        table = DeltaTable(uri, version=version, storage_options=storage_options or None)
     except Exception as error:
         raise TableError(f"Delta table {uri}: cannot be opened{f' at version {version}' if version is not None else ''} "
                          f"({type(error).__name__}: {error})") from None
@@ -219,7 +300,8 @@ def _delta(uri: str, root: str, version: int | None, storage_options: dict | Non
         path = relative if "://" in relative else f"{base}/{relative}"
         keep = masks.get(f"{table.table_uri.rstrip('/')}/{action['path']}")
         partition = {name: action.get(f"partition.{name}") for name in partition_names}
-        files.append(TableFile(path, partition, numpy.asarray(keep, dtype=bool) if keep is not None else None))
+        files.append(TableFile(path, _url(filesystem, path), partition,
+                               numpy.asarray(keep, dtype=bool) if keep is not None else None))
     if not files:
         raise TableError(f"Delta table {uri}{f' at version {version}' if version is not None else ''} has no rows")
     return schema, sorted(_pruned(files, partition_names, filter, uri), key=lambda f: f.path)
