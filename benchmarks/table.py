@@ -112,6 +112,7 @@ def rank_methods(spec: dict) -> dict:
     import torch.utils.data
 
     warnings.filterwarnings("ignore", message="This DataLoader will create")
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # Arrow's, only read
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     batch, workers, name = spec["batch"], spec["workers"], spec["method"]
