@@ -27,6 +27,9 @@ os.environ["FANRUN_RUNS_DIR"] = _RUNS
 # Every call would otherwise be an MLflow run, with a line of its own in the output;
 # test_tracking.py turns tracking back on for its tests.
 os.environ["FANRUN_TRACKING"] = "0"
+# The tests of what ranks print read it line by line in the cell, as display="logs" shows it;
+# the panel's tests (test_panel*.py) unset this, so that a notebook's default is the panel.
+os.environ["FANRUN_DISPLAY"] = "logs"
 # fanrun's default MLflow store lives under $XDG_DATA_HOME: the tests' own, never the user's.
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="fanrun-test-data-")
 

@@ -42,6 +42,7 @@ _CALL_MACHINERY = {
     "Run": "_runs.run",
     "attach": "_runs.run",
     "runs": "_runs.run",
+    "stacks": "_launch.stacks",
     # Ray is imported by these alone, when they are called.
     "ray_init": "backends.ray.connect",
     "ray_shutdown": "backends.ray.connect",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from ._runs.run import Run as Run
     from ._runs.run import attach as attach
     from ._runs.run import runs as runs
+    from ._launch.stacks import stacks as stacks
     from ._warmup import cooldown as cooldown
     from ._warmup import warmup as warmup
     from .backends.ray.connect import ray_init as ray_init

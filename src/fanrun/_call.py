@@ -105,6 +105,8 @@ def _attempt(call: _Call, options: Options, plan: _accelerators.Plan, inventory:
                     paths=paths,
                     warm=warm,
                     keep=call.kept,
+                    display=options.display,
+                    stall_warning=options.stall_warning,
                 )
 
 

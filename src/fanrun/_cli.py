@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--backend-store-uri", default=None, metavar="URI",
                     help="a local MLflow store to show instead of fanrun's own (see docs/tracking.md)")
     ui.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: 5000 if free)")
+    stacks = commands.add_parser(
+        "stacks", help="print where every rank of a running call is, without stopping it",
+        description="Makes every rank of the running call RUN dump the stacks of its threads (faulthandler) into "
+        "its log, and prints them. RUN is the id the call's panel shows (its folder under fanrun's runs directory).")
+    stacks.add_argument("run", metavar="RUN", help="the run's id")
     _cli_runs.add_commands(commands)
     return parser
 
@@ -60,6 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_system_exit)
     if options.command in _cli_runs.COMMANDS:
         return _cli_runs.main(options)
+    if options.command == "stacks":
+        from ._launch import stacks
+
+        try:
+            print(stacks.of_run(options.run))
+        except stacks.StacksError as error:
+            print(f"fanrun: {error}", file=sys.stderr)
+            return 2
+        return 0
     if options.command == "ui":
         from ._tracking import ui
 

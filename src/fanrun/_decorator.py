@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 from . import _accelerators, _call, _errors, _payload
 from ._tracking import caller as call_tracking
 from ._launch import preflight, spares
+from ._launch.output import DISPLAYS
+from ._launch.run import DEFAULT_STALL_WARNING_S
 from ._accelerators import AcceleratorRequest
 
 if TYPE_CHECKING:
@@ -48,6 +50,10 @@ class Options:
     max_restarts: int = 0
     # The MLflow run's name (a workload's mlflow_run_name); None: the function's name and a random part.
     run_name: str | None = None
+    # How the ranks' output shows (_launch/output.py): "panel", "logs", "quiet"; None: the panel
+    # in a notebook, logs elsewhere. The panel flags a rank quiet for stall_warning seconds.
+    display: str | None = None
+    stall_warning: float | None = DEFAULT_STALL_WARNING_S
 
 
 class DistributedFunction(Generic[R]):
@@ -109,6 +115,8 @@ def distributed(
     keep_alive: bool = False,
     detach: bool = False,
     max_restarts: int = 0,
+    display: str | None = None,
+    stall_warning: float | None = DEFAULT_STALL_WARNING_S,
 ):
     """Decorates a function so that `fn.distributed(*args, **kwargs)` runs it on every
     accelerator of this machine (CPU processes where there is none).
@@ -143,6 +151,14 @@ def distributed(
     ``detach=True`` makes ``.distributed()`` return a ``fanrun.Run`` at once: the call runs in a
     process of its own, which goes on when this one ends. ``fanrun.attach(run_id)`` finds it again
     from any process of the same user, and ``fanrun list`` shows it.
+
+    ``display`` chooses how the ranks' output shows while the call runs: ``"panel"``, one live
+    panel with a row per rank (state, progress bar, last line), redrawn in place in a notebook
+    cell or a terminal, the full logs under it; ``"logs"``, every line, labelled by rank;
+    ``"quiet"``, nothing (the run's log files keep it all). The default is the panel in a
+    notebook and logs elsewhere. The panel flags a rank with no output, progress or metric for
+    ``stall_warning`` seconds (None: never); ``fanrun.stacks()`` or ``fanrun stacks RUN`` then
+    shows where every rank is, without stopping it.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, numbers.Number):
         return distributed()(num_accelerators)  # bare @distributed
@@ -180,6 +196,7 @@ def distributed(
         keep_alive=keep_alive,
         detach=detach,
         max_restarts=_check_restarts(max_restarts),
+        **_check_display(display, stall_warning),
     )
     if keep_alive and (options.backend == "ray" or (options.nodes or 1) > 1):
         raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; ranks on a Ray "
@@ -210,6 +227,17 @@ def _check_count(value: Any) -> int | None:
         machine = _accelerators.detect().describe()
         raise ValueError(f"num_accelerators must be at least 1, not {value}; this machine has {machine}")
     return int(value)
+
+
+def _check_display(display: Any, stall_warning: Any) -> dict[str, Any]:
+    if display is not None and display not in DISPLAYS:
+        raise ValueError(f"display must be 'panel', 'logs', 'quiet' or None (the panel in a notebook, logs "
+                         f"elsewhere), not {display!r}")
+    if stall_warning is not None and (isinstance(stall_warning, bool) or not isinstance(stall_warning, numbers.Real)
+                                      or not stall_warning > 0 or math.isinf(stall_warning)):
+        raise ValueError(f"stall_warning must be a positive number of seconds, or None to never flag a quiet rank, "
+                         f"not {stall_warning!r}")
+    return {"display": display, "stall_warning": None if stall_warning is None else float(stall_warning)}
 
 
 def _check_restarts(value: Any) -> int:

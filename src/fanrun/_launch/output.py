@@ -1,27 +1,59 @@
 """Writes the ranks' output to the caller's sys.stdout / sys.stderr, labelled by rank.
 
 The engine hands up lines, starts of lines not ended yet, and progress states (a line
-redrawn with '\\r'); _output_views shows them as the caller's stream allows: a bar stays
-one row in a terminal, in a Jupyter cell and (bounded) in a file or pipe.
+redrawn with '\\r'). With display="logs", output_views.py shows them as the caller's stream
+allows: a bar stays one row in a terminal, in a Jupyter cell and (bounded) in a file or pipe.
+With display="panel", they feed one live panel instead (panel_view.py); with "quiet", only the
+run's logs get them.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 from .. import _core
-from .output_views import View, flush_streams, views_for_streams, visible
+from .output_views import View, caller_surface, flush_streams, views_for_streams, visible
+from .panel import Panel
+from .panel_view import PanelView, QuietView
+
+DISPLAYS = ("panel", "logs", "quiet")
 
 TAIL_LINES = 40
 # The start of a line kept to complete it; a longer line is shown in pieces of this size.
 MAX_HELD_CHARS = 256 * 1024
 
 
+def default_display() -> str | None:
+    """$FANRUN_DISPLAY: a user's choice for every call that does not pass display=."""
+    value = os.environ.get("FANRUN_DISPLAY") or None
+    if value is not None and value not in DISPLAYS:
+        raise ValueError(f"FANRUN_DISPLAY={value!r} is not a display: set it to panel, logs or quiet, or unset it "
+                         f"(the panel in a notebook, logs elsewhere)")
+    return value
+
+
 class OutputMux:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, display: str | None = None, where: list[str] | None = None,
+                 stall_warning: float | None = None, hints: tuple[str, str] = ("", "")) -> None:
+        """display: "panel", "logs", "quiet", or None: $FANRUN_DISPLAY where set, else the panel in a
+        notebook and logs elsewhere. A panel asked for on a file or a pipe is logs there: nothing
+        can be redrawn in place."""
         self._labels = [f"[rank{r}]: " for r in range(world_size)]
-        self._views = views_for_streams(self._labels)
+        display = display or default_display()
+        surface = caller_surface()
+        self.panel: PanelView | None = None
+        if display == "quiet":
+            quiet = QuietView()
+            self._views: dict[int, View] = {1: quiet, 2: quiet}
+        elif (display == "panel" and surface != "plain") or (display is None and surface == "notebook"):
+            panel = Panel(world_size, where or ["" for _ in range(world_size)], time.monotonic(), stall_warning, *hints)
+            block_stream = 2 if caller_surface(2) == "terminal" else 1
+            self.panel = PanelView(panel, surface, block_stream)
+            self._views = {1: self.panel, 2: self.panel}
+        else:
+            self._views = views_for_streams(self._labels)
         self._held: dict[tuple[int, int], str] = {}  # (rank, stream) -> start of its line
         self.stderr_tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(world_size)]
         self._capturing: dict[int, list[str]] | None = None
@@ -55,6 +87,21 @@ class OutputMux:
         if stream_number == 2:
             self.stderr_tails[rank].append(line)
 
+    def started(self) -> None:
+        if self.panel is not None:
+            self.panel.started(time.monotonic())
+
+    def rank_exited(self, rank: int, exit_code: int, signal: int) -> None:
+        if self.panel is not None:
+            self.panel.exited(rank, exit_code, signal, time.monotonic())
+
+    def finish(self, failed_rank: int | None, failure: list[str]) -> None:
+        """The call's outcome is known: the panel shows its last state (the root cause's row red,
+        with the last lines of its traceback)."""
+        if self.panel is not None:
+            self.panel.finish(failed_rank, failure, time.monotonic())
+            flush_streams()
+
     def seconds_to_redraw(self) -> float:
         """How long the engine may wait before a live display is due a redraw; -1: no limit."""
         now = time.monotonic()
@@ -75,3 +122,4 @@ class OutputMux:
 
     def _unique_views(self) -> list[View]:
         return list({id(view): view for view in self._views.values()}.values())
+

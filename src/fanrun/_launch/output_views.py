@@ -61,6 +61,11 @@ def visible(text: str) -> str:
     return _ESCAPE.sub(lambda m: m.group() if _COLOUR.fullmatch(m.group()) else "", text)
 
 
+def caller_surface(stream_number: int = 1) -> str:
+    """What the caller's stdout (or stderr) is: "notebook", "terminal" or "plain" (a file or a pipe)."""
+    return _kind(_stream(stream_number))
+
+
 def views_for_streams(labels: list[str]) -> dict[int, View]:
     """One view per stream number of the caller's sys.stdout and sys.stderr, shared where
     both are of one kind (so a terminal has one block, a cell one display); files and pipes

@@ -18,8 +18,12 @@ from .output import OutputMux
 from .paths import RunPaths
 from .preflight import preflight
 from .program import RankProgram
+from . import running_calls
 from .signals import SignalWakeup
 from .spares import KeptRanks
+
+# A panel flags a rank with no output, progress or metric for this long (as @distributed's default).
+DEFAULT_STALL_WARNING_S = 300.0
 
 # Whether this process has said that it found no GPU: once is enough, a notebook that calls
 # again knows it by then.
@@ -37,6 +41,8 @@ def run(
     paths: RunPaths | None = None,
     warm: bool = False,
     keep: KeptRanks | None = None,
+    display: str | None = None,
+    stall_warning: float | None = DEFAULT_STALL_WARNING_S,
 ) -> list[object]:
     """Runs `program` on every rank of `plan`; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
@@ -46,7 +52,8 @@ def run(
     (tracking reads the logs there afterwards), and stays the caller's to close; without it,
     the run makes its own once the plan has passed its checks. `warm`: the ranks may be spares
     started ahead of the call (_launch/spares.py). `keep`: the ranks may be the ones this holder
-kept from the last call, and this call's are kept there if it ends well (keep_alive)."""
+kept from the last call, and this call's are kept there if it ends well (keep_alive). `display`
+and `stall_warning`: how the ranks' output shows (output.OutputMux)."""
     preflight(plan)
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -54,8 +61,9 @@ kept from the last call, and this call's are kept there if it ends well (keep_al
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
     if paths is None:
         with RunPaths.create(name) as own_paths:
-            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm, keep)
-    return _run_in(paths, name, plan, program, timeout, payload, extra_env, warm, keep)
+            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm, keep, display,
+                           stall_warning)
+    return _run_in(paths, name, plan, program, timeout, payload, extra_env, warm, keep, display, stall_warning)
 
 
 def _run_in(
@@ -68,12 +76,17 @@ def _run_in(
     extra_env: Mapping[str, str] | None,
     warm: bool,
     keep: KeptRanks | None,
+    display: str | None,
+    stall_warning: float | None,
 ) -> list[object]:
     ranks: Ranks | None = None
     try:
         if payload is not None:
             paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), payload)
-        mux = OutputMux(plan.world_size)
+        logs = f"Logs: {paths.directory}"
+        mux = OutputMux(plan.world_size, display, _where(plan), stall_warning,
+                        hints=(f"Stacks of every rank, without stopping them: fanrun stacks {paths.run_id} "
+                               f"(or fanrun.stacks() from another thread). {logs}", logs))
         with SignalWakeup() as wakeup:
             # The first attempt unless extra_env says otherwise, whatever the caller's environment holds.
             first_attempt = {contract.ENV_RESTART_COUNT: "0", contract.ENV_MAX_RESTARTS: "0"}
@@ -83,6 +96,8 @@ def _run_in(
                             expect_done=payload is not None, wakeup_fd=wakeup.read_fd, warm=warm, keep=keep,
                             added=frozenset(extra_env or ()))
             ranks = backends.for_plan(plan).start(plan, launch)
+            mux.started()
+            running_calls.add(paths, ranks, local=plan.backend == "local")
             timeout_report = TimeoutReport(python=program.python)
             try:
                 _pump(ranks, mux, wakeup, timeout_report)
@@ -96,8 +111,16 @@ def _run_in(
                     ranks.kill_and_reap()  # a second interrupt: no more grace
                 raise
             finally:
+                running_calls.remove(paths)
                 mux.close()
-        return collect(name, ranks, paths, mux, timeout_report, timeout, returns_values=payload is not None)
+        try:
+            results = collect(name, ranks, paths, mux, timeout_report, timeout, returns_values=payload is not None)
+        except BaseException as error:
+            failed = ranks.first_failed_rank if ranks.stop_reason == _core.StopReason.RANK_FAILED else None
+            mux.finish(failed, _last_lines(error))
+            raise
+        mux.finish(None, [])
+        return results
     except Exception as error:
         if not plan.use_gpus:
             hints.note_gpu_call_on_cpu(error, plan.description)
@@ -111,9 +134,11 @@ def _run_in(
 def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: TimeoutReport) -> None:
     while True:
         events, interrupted, done = ranks.wait(mux.seconds_to_redraw())
-        for kind, rank, stream, segment, data, _exit in events:
+        for kind, rank, stream, segment, data, exit_status in events:
             if kind == _core.EventKind.OUTPUT:
                 mux.write(rank, stream, segment, data)
+            elif kind == _core.EventKind.RANK_EXITED:
+                mux.rank_exited(rank, *exit_status)
             elif kind == _core.EventKind.TIMED_OUT:
                 # The stack-dump signal is out and the ranks still run: from here, stderr is
                 # kept, and what stands in the way of a dump can still be seen.
@@ -125,3 +150,18 @@ def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: Ti
             wakeup.drain()
         if done:
             return
+
+
+def _where(plan) -> list[str]:
+    """Each rank's node and device, as the panel names them."""
+    per_node = max(plan.world_size // max(plan.nodes, 1), 1)
+    device = "GPU {}" if plan.use_gpus else "CPU"
+    return [(f"node {rank // per_node} " if plan.nodes > 1 else "") + device.format(rank % per_node)
+            for rank in range(plan.world_size)]
+
+
+def _last_lines(error: BaseException) -> list[str]:
+    """What the panel shows of a failure: the end of the rank's traceback, or the message."""
+    cause = error.__cause__
+    text = str(cause) if cause is not None and type(cause).__name__ == "RemoteTraceback" else str(error)
+    return text.strip().splitlines()

@@ -1,0 +1,47 @@
+"""The calls of this process whose ranks run now, and each run's ranks.json: which processes
+on which host are its ranks, so that `fanrun stacks` (stacks.py) can find them from another
+thread or another process and know a reused pid from the rank."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+from .paths import RunPaths
+
+RANKS_FILE = "ranks.json"
+
+_lock = threading.Lock()
+_running: dict[str, Path] = {}  # run id -> run directory
+
+
+def add(paths: RunPaths, ranks, local: bool) -> None:
+    """Records a call's ranks: its pids where they run on this machine (local)."""
+    if local:
+        pids = [ranks.pid(rank) for rank in range(ranks.world_size)]
+        record = {"host": socket.gethostname(), "ranks": [[pid, start_time(pid)] for pid in pids]}
+        paths.write_file(RANKS_FILE, json.dumps(record).encode())
+    with _lock:
+        _running[paths.run_id] = paths.directory
+
+
+def remove(paths: RunPaths) -> None:
+    with _lock:
+        _running.pop(paths.run_id, None)
+
+
+def running() -> dict[str, Path]:
+    with _lock:
+        return dict(_running)
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start, in clock ticks since boot: a pid reused later has another."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19])  # field 22 of stat(5); the two before the ")" split are gone

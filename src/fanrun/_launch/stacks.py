@@ -1,0 +1,140 @@
+"""The stacks of every rank of a running call, without stopping it: each rank's faulthandler
+dumps every thread's stack on the stack-dump signal into the rank's log, where they are read
+back. The ranks are the processes ranks.json names, checked by their start time, and signalled
+through a pidfd, so that a pid reused by another process is never signalled."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from .._errors import FanrunError
+from .._rank.worker import STACK_DUMP_SIGNAL
+from . import running_calls
+from .file_changes import FileChanges
+from .paths import open_runs_root, rank_log
+
+# How long the ranks get to write their stacks, and how long a dump may pause between lines
+# before it counts as done.
+WAIT_S = 5.0
+QUIET_S = 0.3
+_HEADER = "(most recent call first)"
+
+
+class StacksError(FanrunError, RuntimeError):
+    """The stacks cannot be had: no such run, a run that has ended, or one on another host."""
+
+
+class Stacks:
+    """Each rank's dumped stack (or why there is none), shown as text."""
+
+    def __init__(self, run_id: str, by_rank: dict[int, str]) -> None:
+        self.run_id = run_id
+        self.by_rank = by_rank
+
+    def __str__(self) -> str:
+        return "\n".join(f"--- rank {rank} of run {self.run_id} ---\n{text.rstrip()}\n"
+                         for rank, text in sorted(self.by_rank.items()))
+
+    __repr__ = __str__
+
+
+def stacks(run_id: str | None = None) -> Stacks:
+    """fanrun.stacks(): the call running in this process (from another thread), or run_id's."""
+    if run_id is not None:
+        return of_run(run_id)
+    running = running_calls.running()
+    if not running:
+        raise StacksError("No fanrun call is running in this process. Call fanrun.stacks() from another thread "
+                          "while .distributed() runs, or from a shell: fanrun stacks RUN, with the run id the "
+                          "call's panel or log directory shows")
+    if len(running) > 1:
+        raise StacksError(f"{len(running)} calls run in this process ({', '.join(sorted(running))}): "
+                          f"name one, fanrun.stacks(run_id)")
+    (only,) = running
+    return of_run(only)
+
+
+def of_run(run_id: str) -> Stacks:
+    root, root_fd = open_runs_root()
+    os.close(root_fd)
+    if not run_id or "/" in run_id or run_id.startswith("."):
+        raise StacksError(f"{run_id!r} is not a run id; a run id is a folder name under {root}")
+    directory = root / run_id
+    try:
+        record = json.loads((directory / running_calls.RANKS_FILE).read_text())
+    except FileNotFoundError:
+        what = "no such run" if not directory.exists() else "its ranks are not on this machine's record (a Ray run)"
+        raise StacksError(f"run {run_id}: {what} under {root}") from None
+    if record["host"] != socket.gethostname():
+        raise StacksError(f"run {run_id} runs on {record['host']}: run `fanrun stacks {run_id}` there")
+    return Stacks(run_id, _dump(directory, [tuple(rank) for rank in record["ranks"]]))
+
+
+def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str]:
+    logs = {rank: rank_log(directory, rank) for rank in range(len(ranks))}
+    offsets = {rank: _size(path) for rank, path in logs.items()}
+    out: dict[int, str] = {}
+    signalled = []
+    with FileChanges([str(path) for path in logs.values() if path.exists()]) as changes:
+        for rank, (pid, started) in enumerate(ranks):
+            why = _signal(pid, started)
+            if why is None:
+                signalled.append(rank)
+            else:
+                out[rank] = f"(no stack: {why})"
+        texts = {rank: "" for rank in signalled}
+        read = dict.fromkeys(signalled, 0)  # bytes read past each offset
+        deadline = time.monotonic() + WAIT_S
+        last_growth = time.monotonic()
+        while True:
+            for rank in signalled:
+                more = _read_from(logs[rank], offsets[rank] + read[rank])
+                if more:
+                    read[rank] += len(more)
+                    texts[rank] += more.decode("utf-8", "replace")
+                    last_growth = time.monotonic()
+            now = time.monotonic()
+            every_header = all(_HEADER in texts[rank] for rank in signalled)
+            if now >= deadline or (every_header and now - last_growth >= QUIET_S):
+                break
+            changes.wait(min(deadline - now, QUIET_S) if every_header else deadline - now)
+    for rank in signalled:
+        out[rank] = texts[rank] if _HEADER in texts[rank] else \
+            f"(no stack within {WAIT_S:g} s of {STACK_DUMP_SIGNAL.name}: the rank blocks or ignores it)\n{texts[rank]}"
+    return out
+
+
+def _signal(pid: int, started: int | None) -> str | None:
+    """Sends the stack-dump signal to the rank; why not, where it cannot be."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return "it has ended"
+    try:
+        # Checked once the pidfd holds the process: a pid reused since is another start time.
+        if running_calls.start_time(pid) != started:
+            return "it has ended"
+        signal.pidfd_send_signal(pidfd, STACK_DUMP_SIGNAL)
+    except ProcessLookupError:
+        return "it has ended"
+    finally:
+        os.close(pidfd)
+    return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read()

@@ -1,0 +1,189 @@
+"""The live panel: progress read back from the ranks' bars, stalled and slow ranks flagged, and
+the panel drawn by real calls: in a pseudo-terminal (rendered by pyte), in a Jupyter cell (a
+real kernel), and the stacks of a running call's ranks, from another thread and from a shell."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from processes import processes_of_runs_under
+from test_live_output import rendered, run_in_terminal
+
+from fanrun._launch import progress_text
+from fanrun._launch.panel import Panel
+from fanrun._launch.panel_render import html_panel, text_rows
+
+
+@pytest.fixture(autouse=True)
+def default_display(monkeypatch):
+    monkeypatch.delenv("FANRUN_DISPLAY", raising=False)  # the default: the panel in a notebook
+
+
+def test_tqdm_lines_are_read_back_as_progress():
+    bar = progress_text.parse("train:  45%|████▌     | 45/100 [00:01<00:01, 39.82it/s, loss=0.1]")
+    assert (bar.n, bar.total, bar.description, bar.rate, bar.fraction) == (45, 100, "train", 39.82, 0.45)
+    assert round(bar.seconds_left, 2) == round(55 / 39.82, 2)
+    slow = progress_text.parse("  3%|▎         | 3/100 [00:07<03:55,  2.50s/it]")
+    assert slow.rate == pytest.approx(0.4) and progress_text.format_rate(slow) == "2.5 s/it"
+    counted = progress_text.parse("eval: 123it [00:01, 99.5it/s]")
+    assert (counted.n, counted.total, counted.rate) == (123, None, 99.5)
+    assert progress_text.parse("Epoch 3/10").fraction == 0.3
+    assert progress_text.parse("Epoch 3/10", tqdm_only=True) is None
+    assert progress_text.parse("loss 0.25") is None
+
+
+def test_a_quiet_rank_is_flagged_and_a_slow_one_marked():
+    panel = Panel(3, ["GPU 0", "GPU 1", "GPU 2"], started_at=0.0, stall_warning=300.0)
+    panel.started(0.0)
+    def bar(rank: int, rate: str, now: float) -> None:
+        panel.progress(rank, f" 10%|#         | 10/100 [00:01<00:09, {rate}it/s]", now=now)
+
+    bar(0, "10.0", 290.0)
+    bar(1, "6.0", 290.0)
+    assert panel.next_stall_in(100.0) == 200.0  # rank 2, quiet since 0
+    assert panel.stalled_for(2, 299.0) is None and panel.stalled_for(2, 360.0) == 360.0
+    assert panel.stragglers() == set()  # 6 is not under half the median, 8
+    bar(1, "2.0", 295.0)
+    assert panel.stragglers() == {1}
+    rows = text_rows(panel, now=700.0)
+    assert "no progress for 6 min" in rows[0] and "straggler" in rows[1] and "straggler" not in rows[0]
+    page = html_panel(panel, now=700.0)
+    assert page.count('class="fanrun-rank"') == 3 and page.count("fanrun-flag") == 4
+
+
+def test_a_failed_rank_row_holds_its_traceback_and_markup_is_escaped():
+    panel = Panel(2, ["CPU", "CPU"], started_at=0.0, stall_warning=None)
+    panel.started(0.0)
+    panel.line(1, 1, "<b>step</b> 3", now=1.0)
+    panel.finish(1, ["Traceback (most recent call last):", '  File "x.py", line 3, in f', "ValueError: bad <batch>"])
+    assert [row.state for row in panel.rows] == ["stopped", "failed"]
+    page = html_panel(panel, now=2.0)
+    assert "&lt;b&gt;step&lt;/b&gt; 3" in page and "ValueError: bad &lt;batch&gt;" in page and "<b>" not in page
+    assert 'data-rank="1" data-state="failed"' in page
+    assert text_rows(panel, now=2.0)[-1] == "    ValueError: bad <batch>"
+
+
+PANEL_CALL = """
+from fanrun import distributed
+
+@distributed(num_accelerators={ranks}, accelerator_type="CPU", tracking=False, display="panel")
+def train(fail_rank):
+    import os
+    import time
+    from tqdm import tqdm
+
+    rank = int(os.environ["RANK"])
+    for step in tqdm(range(30), desc="train", mininterval=0.02):
+        time.sleep(0.01 * (1 + rank % 3))
+        if step % 10 == 0:
+            print(f"rank {{rank}} step {{step}}", flush=True)
+    if rank == fail_rank:
+        raise ValueError(f"bad batch on {{rank}}")
+    return rank
+
+try:
+    print("returned", train.distributed({fail_rank}))
+except ValueError as error:
+    print("raised", error)
+"""
+
+
+def test_eight_ranks_with_bars_are_one_panel_in_a_terminal(tmp_path):
+    script = tmp_path / "panel.py"
+    script.write_text(PANEL_CALL.format(ranks=8, fail_rank=-1))
+    lines = rendered(run_in_terminal(script))
+    rows = [line for line in lines if line.startswith("rank ")]
+    assert len(rows) == 8, "\n".join(lines)
+    for rank, row in enumerate(rows):
+        assert row.startswith(f"rank {rank}  CPU  done") and "30/30 100%" in row, row
+    assert not any("[rank" in line for line in lines), "\n".join(lines)  # no flood of lines
+    assert len(lines) <= 8 + 4, "\n".join(lines)
+    assert lines[-1] == "returned [0, 1, 2, 3, 4, 5, 6, 7]"
+
+
+def test_a_failed_rank_turns_its_row_red_with_its_traceback_and_still_raises(tmp_path):
+    script = tmp_path / "panel.py"
+    script.write_text(PANEL_CALL.format(ranks=2, fail_rank=1))
+    lines = rendered(run_in_terminal(script))
+    failed = next(i for i, line in enumerate(lines) if line.startswith("rank 1  CPU  failed"))
+    assert "    ValueError: bad batch on 1" in lines[failed + 1: failed + 9], "\n".join(lines)
+    assert lines[-1] == "raised [rank 1] bad batch on 1", lines[-1]
+
+
+STACKS = """
+import os, subprocess, sys, threading, time
+import fanrun
+from fanrun import distributed
+
+folder = sys.argv[1]
+
+@distributed(num_accelerators=2, accelerator_type="CPU", tracking=False, display="quiet")
+def wait_for_go(folder):
+    import os, time
+    open(os.path.join(folder, "ready" + os.environ["RANK"]), "w").close()
+    while not os.path.exists(os.path.join(folder, "go")):
+        time.sleep(0.05)
+    return int(os.environ["RANK"])
+
+def look():
+    # From another thread while the call runs in the main one; the ranks go on afterwards.
+    try:
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(os.path.join(folder, f"ready{r}")) for r in range(2)):
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        stacks = fanrun.stacks()
+        print(stacks, flush=True)
+        shell = subprocess.run([sys.executable, "-m", "fanrun", "stacks", stacks.run_id], capture_output=True, text=True)
+        print("CLI", shell.returncode, shell.stdout, shell.stderr, flush=True)
+    finally:
+        open(os.path.join(folder, "go"), "w").close()
+
+threading.Thread(target=look, daemon=True).start()
+print("returned", wait_for_go.distributed(folder))
+"""
+
+
+def test_stacks_of_a_running_call_from_another_thread_and_from_a_shell(tmp_path):
+    script = tmp_path / "stacks.py"
+    script.write_text(STACKS)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    api, _, cli = done.stdout.partition("CLI ")
+    for text in (api, cli):
+        for rank in range(2):
+            section = text.split(f"--- rank {rank} of run ")[1].split("--- rank")[0]
+            assert "(most recent call first)" in section and "wait_for_go" in section, done.stdout
+    assert cli.startswith("0 ") and done.stdout.rstrip().endswith("returned [0, 1]"), done.stdout
+    assert processes_of_runs_under(os.environ["FANRUN_RUNS_DIR"]) == []
+
+
+def test_stacks_of_no_such_run_is_a_clear_error():
+    shell = subprocess.run([sys.executable, "-m", "fanrun", "stacks", "20261201-000000-0-none"], capture_output=True,
+                           text=True)
+    assert shell.returncode == 2 and "run 20261201-000000-0-none: no such run under" in shell.stderr
+
+
+NOTEBOOK_CALL = textwrap.dedent(PANEL_CALL.format(ranks=2, fail_rank=-1).replace(', display="panel"', ""))
+
+
+def test_a_notebook_cell_shows_one_panel_updated_in_place(tmp_path):
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK_CALL)])
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = notebook.cells[0].outputs
+    panels = [o for o in outputs if o.output_type == "display_data" and "fanrun-panel" in o.data.get("text/html", "")]
+    assert len(panels) == 1, outputs
+    page = panels[0].data["text/html"]
+    assert page.count('class="fanrun-rank"') == 2, page
+    for rank in range(2):
+        assert f'data-rank="{rank}" data-state="done" data-fraction="1.0000"' in page, page
+    assert "rank 1 step 20" in page  # the logs, under the panel
+    streams = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "[rank" not in streams and "returned [0, 1]" in streams, streams
