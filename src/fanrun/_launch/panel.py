@@ -18,8 +18,6 @@ FAILURE_LINES = 8
 # A rank is a straggler when its rate is below this fraction of the ranks' median.
 STRAGGLER_FRACTION = 0.5
 
-STATES = ("starting", "running", "done", "failed", "stopped")
-
 
 @dataclasses.dataclass
 class RankRow:
@@ -28,7 +26,7 @@ class RankRow:
     progress: Progress | None = None
     bar_text: str = ""  # the redrawn line as the rank drew it, for a bar without a count
     last_line: str = ""
-    active_at: float = 0.0  # output, progress or a metric
+    active_at: float = 0.0  # its last output or progress
     failure: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -67,9 +65,6 @@ class Panel:
         parsed = progress_text.parse(text)
         if parsed is not None:
             row.progress = parsed
-
-    def metric(self, rank: int, now: float) -> None:
-        self._alive(rank, now)
 
     def exited(self, rank: int, exit_code: int, signal: int) -> None:
         row = self.rows[rank]

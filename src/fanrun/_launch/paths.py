@@ -118,6 +118,12 @@ class RunPaths:
         node sent back), 0600, whole or not at all (_private_dir.replace_private)."""
         replace_private(self._dir_fd, name, *chunks)
 
+    def remove_file(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+
     def open_result(self, rank: int) -> BinaryIO:
         """A rank's result file, opened in the run directory only if it is private to the caller."""
         return os.fdopen(open_private(self._dir_fd, self.result(rank).name, os.O_RDONLY), "rb")
@@ -125,10 +131,7 @@ class RunPaths:
     def remove_bulky_files(self, world_size: int) -> None:
         """Keeps logs and error files; drops the payload and results, which can be large."""
         for path in [self.payload, *(self.result(r) for r in range(world_size))]:
-            try:
-                os.unlink(path.name, dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                pass
+            self.remove_file(path.name)
 
     def close(self) -> None:
         """Ends the run's hold on its directory: from now on it may be pruned."""

@@ -28,8 +28,10 @@ def add(paths: RunPaths, ranks, local: bool) -> None:
 
 
 def remove(paths: RunPaths) -> None:
+    """The call's ranks have ended: its record goes, so that no one looks for them."""
     with _lock:
         _running.pop(paths.run_id, None)
+    paths.remove_file(RANKS_FILE)
 
 
 def running() -> dict[str, Path]:

@@ -68,7 +68,8 @@ def of_run(run_id: str) -> Stacks:
     try:
         record = json.loads((directory / running_calls.RANKS_FILE).read_text())
     except FileNotFoundError:
-        what = "no such run" if not directory.exists() else "its ranks are not on this machine's record (a Ray run)"
+        what = "no such run" if not directory.exists() else \
+            "it is not running (or its ranks run on a Ray cluster, which `fanrun stacks` cannot reach yet)"
         raise StacksError(f"run {run_id}: {what} under {root}") from None
     if record["host"] != socket.gethostname():
         raise StacksError(f"run {run_id} runs on {record['host']}: run `fanrun stacks {run_id}` there")
