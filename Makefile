@@ -46,10 +46,13 @@ test-cpp: setup
 	PATH="$(BIN):$$PATH" cmake --build $(CPP_TEST_BUILD)
 	cd $(CPP_TEST_BUILD) && PATH="$(BIN):$$PATH" ctest --output-on-failure -j2
 
-# nginx serves the remote source of the data tests; Debian's package, like GoogleTest's.
+# nginx serves the remote source of the data tests, Chromium renders the live panel as a person
+# sees it, tmux holds the terminal its test reads: Debian's packages, like GoogleTest.
 # The Ray tests run in a network namespace of their own, with loopback alone (tests/ray/netns.py).
 test-python: setup
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || (apt-get update -qq && apt-get install -y -qq nginx-light)
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium)
+	@command -v tmux >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq tmux)
 	$(PY) -m pytest tests --ignore=tests/ray --durations=15
 	$(PY) tests/ray/netns.py $(PY) -m pytest tests/ray --durations=5
 

@@ -4,14 +4,18 @@ real kernel), and the stacks of a running call's ranks, from another thread and 
 
 from __future__ import annotations
 
+import html.parser
 import os
+import re
+import shutil
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from gpus import needs_gpus
 from processes import processes_of_runs_under
 from test_live_output import rendered, run_in_terminal
 
@@ -55,6 +59,9 @@ def test_a_quiet_rank_is_flagged_and_a_slow_one_marked():
     assert "no progress for 6 min" in rows[0] and "straggler" in rows[1] and "straggler" not in rows[0]
     page = html_panel(panel, now=700.0)
     assert page.count('class="fanrun-rank"') == 3 and page.count("fanrun-flag") == 4
+    panel.rows[0].gpu = (87.0, 41234.0)
+    assert text_rows(panel, now=700.0)[0].startswith("rank 0  GPU 0 (GPU 87% 41.2 GB)  running")
+    assert '<div class="fanrun-gpu" style="color:#555">GPU 87% 41.2 GB</div>' in html_panel(panel, now=700.0)
 
 
 def test_a_failed_rank_row_holds_its_traceback_and_markup_is_escaped():
@@ -116,6 +123,60 @@ def test_a_failed_rank_turns_its_row_red_with_its_traceback_and_still_raises(tmp
     assert lines[-1] == "raised [rank 1] bad batch on 1", lines[-1]
 
 
+GPU_CALL = """
+from fanrun import distributed
+
+@distributed(num_accelerators=1, tracking=False, display="panel")
+def busy():
+    import torch
+    from tqdm import tqdm
+
+    x = torch.randn(8192, 8192, device="cuda")
+    for _ in tqdm(range(60), desc="matmul", mininterval=0.05):
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+        torch.cuda.synchronize()
+    return round(torch.cuda.max_memory_allocated() / 1e9, 1)
+
+print("returned", busy.distributed())
+"""
+
+
+@needs_gpus(1)
+def test_a_gpu_rank_row_shows_its_gpu_utilisation_and_memory(tmp_path):
+    script = tmp_path / "gpu.py"
+    script.write_text(GPU_CALL)
+    frames = b"".join(chunk for _, chunk in run_in_terminal(script)).decode(errors="replace")
+    busy = [int(m) for m in re.findall(r"rank 0  GPU 0 \(GPU (\d+)% [0-9.]+ GB\)  running", frames)]
+    assert busy and max(busy) >= 50, frames[-3000:]
+
+
+STALLING = """
+from fanrun import distributed
+
+@distributed(num_accelerators=2, accelerator_type="CPU", tracking=False, display="panel", stall_warning=1)
+def train():
+    import os, time
+    rank = int(os.environ["RANK"])
+    for step in range(50):
+        if rank == 0:
+            print(f"step {step}", flush=True)
+        time.sleep(0.06)
+    return rank
+
+print("returned", train.distributed())
+"""
+
+
+def test_a_rank_quiet_past_stall_warning_is_flagged_while_it_runs(tmp_path):
+    script = tmp_path / "stalling.py"
+    script.write_text(STALLING)
+    frames = b"".join(chunk for _, chunk in run_in_terminal(script)).decode(errors="replace")
+    assert re.search(r"rank 1  CPU  running  [^\n]*no progress for [0-9] s", frames), frames[-3000:]
+    assert not re.search(r"rank 0  CPU  running  [^\n]*no progress", frames), frames[-3000:]
+    assert rendered([(0.0, frames.encode())])[-1] == "returned [0, 1]"
+
+
 STACKS = """
 import os, subprocess, sys, threading, time
 import fanrun
@@ -170,12 +231,42 @@ def test_stacks_of_no_such_run_is_a_clear_error():
     assert shell.returncode == 2 and "run 20261201-000000-0-none: no such run under" in shell.stderr
 
 
-NOTEBOOK_CALL = textwrap.dedent(PANEL_CALL.format(ranks=2, fail_rank=-1).replace(', display="panel"', ""))
+# In a notebook, without display=: the default. Each rank logs its loss, untracked (tracking=False).
+NOTEBOOK_CALL = """
+from fanrun import distributed
+
+@distributed(num_accelerators=2, accelerator_type="CPU", tracking=False)
+def train():
+    import os
+    import time
+    import mlflow
+    from tqdm import tqdm
+
+    rank = int(os.environ["RANK"])
+    for step in tqdm(range(40), desc="train", mininterval=0.02):
+        time.sleep(0.05)
+        mlflow.log_metric("loss", (1 + rank) / (step + 1), step=step)
+        if step % 10 == 0:
+            print(f"rank {rank} step {step}", flush=True)
+    return rank
+
+print("returned", train.distributed())
+"""
 
 
-def test_a_notebook_cell_shows_one_panel_updated_in_place(tmp_path):
+@pytest.fixture(scope="module")
+def notebook_run(tmp_path_factory):
+    """NOTEBOOK_CALL run once in a real kernel, without FANRUN_DISPLAY: the default display."""
+    folder = tmp_path_factory.mktemp("notebook")
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK_CALL)])
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("FANRUN_DISPLAY", raising=False)
+        NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
+    return notebook, folder
+
+
+def test_a_notebook_cell_shows_one_panel_updated_in_place(notebook_run):
+    notebook, _ = notebook_run
     outputs = notebook.cells[0].outputs
     panels = [o for o in outputs if o.output_type == "display_data" and "fanrun-panel" in o.data.get("text/html", "")]
     assert len(panels) == 1, outputs
@@ -183,6 +274,94 @@ def test_a_notebook_cell_shows_one_panel_updated_in_place(tmp_path):
     assert page.count('class="fanrun-rank"') == 2, page
     for rank in range(2):
         assert f'data-rank="{rank}" data-state="done" data-fraction="1.0000"' in page, page
-    assert "rank 1 step 20" in page  # the logs, under the panel
+    assert "rank 1 step 30" in page  # the logs, under the panel
+    assert page.count('class="fanrun-plot"') == 1 and "data:image/png;base64," in page
+    assert "loss=0.025" in page and "loss=0.05" in page  # each rank's last value: 1/40, 2/40
     streams = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "[rank" not in streams and "returned [0, 1]" in streams, streams
+
+
+class _Dom(html.parser.HTMLParser):
+    """The elements a browser ended up with, as (tag, attributes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements: list[tuple[str, dict[str, str]]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.elements.append((tag, {name: value or "" for name, value in attrs}))
+
+    def with_class(self, name: str) -> list[dict[str, str]]:
+        return [attrs for _, attrs in self.elements if name in attrs.get("class", "").split()]
+
+
+def chromium(profile: Path, *arguments: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("chromium")
+    assert binary, "Chromium is not installed: `make test-python` installs Debian's chromium"
+    done = subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+                           *arguments], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_the_exported_notebook_in_a_browser_shows_the_panel_and_its_plot(notebook_run):
+    from nbconvert import HTMLExporter
+
+    notebook, folder = notebook_run
+    page = folder / "panel.html"
+    page.write_text(HTMLExporter().from_notebook_node(notebook)[0])
+    profile = folder / "chromium-profile"
+    dom = _Dom()
+    dom.feed(chromium(profile, "--dump-dom", page.as_uri()).stdout)
+    assert len(dom.with_class("fanrun-panel")) == 1
+    rows = dom.with_class("fanrun-rank")
+    assert [(r["data-rank"], r["data-state"]) for r in rows] == [("0", "done"), ("1", "done")], rows
+    bars = [attrs for tag, attrs in dom.elements if tag == "progress"]
+    assert [float(b["value"]) / float(b["max"]) for b in bars] == [1.0, 1.0], bars
+    plots = dom.with_class("fanrun-plot")
+    assert len(plots) == 1 and plots[0]["src"].startswith("data:image/png;base64,")
+    shot = folder / "panel.png"
+    chromium(profile, "--window-size=1000,820", f"--screenshot={shot}", page.as_uri())
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    if os.environ.get("FANRUN_SCREENSHOT"):  # where README's screenshot is refreshed from
+        shutil.copyfile(shot, os.environ["FANRUN_SCREENSHOT"])
+    assert _processes_with(str(profile)) == []
+
+
+def _processes_with(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (the browser's and its helpers')."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as file:
+                    if text.encode() in file.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_eight_ranks_in_tmux_are_one_panel_on_its_screen(tmp_path):
+    script = tmp_path / "panel.py"
+    script.write_text(PANEL_CALL.format(ranks=8, fail_rank=-1))
+    socket = str(tmp_path / "tmux.sock")
+    tmux = ["tmux", "-S", socket]
+    command = f"{sys.executable} {script}; tmux -S {socket} wait-for -S call-ended"
+    subprocess.run([*tmux, "new-session", "-d", "-x", "150", "-y", "40", command], check=True, env={**os.environ, "TERM": "xterm"})
+    try:
+        subprocess.run([*tmux, "set-option", "-g", "remain-on-exit", "on"], check=True)
+        subprocess.run([*tmux, "wait-for", "call-ended"], check=True, timeout=240)
+        screen = subprocess.run([*tmux, "capture-pane", "-p", "-S", "-"], check=True, capture_output=True,
+                                text=True).stdout.rstrip("\n").splitlines()
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+    # tmux's own line, once the pane that remain-on-exit keeps has ended, is not the call's.
+    lines = [line.rstrip() for line in screen if line.strip() and not line.startswith("Pane is dead")]
+    rows = [line for line in lines if line.startswith("rank ")]
+    assert [row[:len(f"rank {r}  CPU  done")] for r, row in enumerate(rows)] == \
+        [f"rank {r}  CPU  done" for r in range(8)], "\n".join(lines)
+    assert all("30/30 100%" in row for row in rows), "\n".join(lines)
+    assert not any("[rank" in line for line in lines) and len(lines) <= 8 + 4, "\n".join(lines)
+    assert lines[-1] == "returned [0, 1, 2, 3, 4, 5, 6, 7]"
+    assert _processes_with(socket) == []

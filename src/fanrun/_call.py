@@ -6,6 +6,7 @@ the restarts (max_restarts). The decorator (_decorator.py) and a detached run's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
@@ -15,6 +16,7 @@ from ._launch import gpu_locks, program, run, spares
 from ._launch.paths import RunPaths
 from ._rank import contract
 from ._tracking import caller as call_tracking
+from ._tracking import system_metrics
 from .backends import local as local_backend
 from .backends.rank_env import RANK_DEFAULTS
 
@@ -107,7 +109,15 @@ def _attempt(call: _Call, options: Options, plan: _accelerators.Plan, inventory:
                     keep=call.kept,
                     display=options.display,
                     stall_warning=options.stall_warning,
+                    open_gpu_sample=functools.partial(_open_gpu_sample, gpu_indices) if gpu_indices else None,
                 )
+
+
+def _open_gpu_sample(nvml_indices: list[int]):
+    """What the live panel shows of each rank's GPU: NVML's utilisation and memory, sampled in this
+    process; None without NVML. Opened only where a panel shows."""
+    reader = system_metrics.GpuReader.open(nvml_indices)
+    return reader.per_gpu if reader is not None else None
 
 
 def _say(text: str) -> None:

@@ -12,10 +12,13 @@ from __future__ import annotations
 import collections
 import os
 import time
+from pathlib import Path
 
 from .. import _core
+from .._rank import contract
 from .output_views import View, caller_surface, flush_streams, views_for_streams, visible
 from .panel import Panel
+from .panel_metrics import MetricFiles
 from .panel_view import PanelView, QuietView
 
 DISPLAYS = ("panel", "logs", "quiet")
@@ -36,7 +39,8 @@ def default_display() -> str | None:
 
 class OutputMux:
     def __init__(self, world_size: int, display: str | None = None, where: list[str] | None = None,
-                 stall_warning: float | None = None, hints: tuple[str, str] = ("", "")) -> None:
+                 stall_warning: float | None = None, hints: tuple[str, str] = ("", ""),
+                 run_dir: Path | None = None, open_gpu_sample=None) -> None:
         """display: "panel", "logs", "quiet", or None: $FANRUN_DISPLAY where set, else the panel in a
         notebook and logs elsewhere. A panel asked for on a file or a pipe is logs there: nothing
         can be redrawn in place."""
@@ -50,7 +54,9 @@ class OutputMux:
         elif (display == "panel" and surface != "plain") or (display is None and surface == "notebook"):
             panel = Panel(world_size, where or ["" for _ in range(world_size)], time.monotonic(), stall_warning, *hints)
             block_stream = 2 if caller_surface(2) == "terminal" else 1
-            self.panel = PanelView(panel, surface, block_stream)
+            metrics = MetricFiles(run_dir, world_size) if run_dir is not None else None
+            gpu_sample = open_gpu_sample() if open_gpu_sample is not None else None
+            self.panel = PanelView(panel, surface, block_stream, metrics, gpu_sample)
             self._views = {1: self.panel, 2: self.panel}
         else:
             self._views = views_for_streams(self._labels)
@@ -86,6 +92,11 @@ class OutputMux:
         view.line(key, visible(line), visible(text), now)
         if stream_number == 2:
             self.stderr_tails[rank].append(line)
+
+    @property
+    def rank_env(self) -> dict[str, str]:
+        """What the ranks need to know of this display: whether to write their metrics for the panel."""
+        return {contract.ENV_PANEL_METRICS: "1"} if self.panel is not None else {}
 
     def started(self) -> None:
         if self.panel is not None:

@@ -26,7 +26,9 @@ class RankRow:
     progress: Progress | None = None
     bar_text: str = ""  # the redrawn line as the rank drew it, for a bar without a count
     last_line: str = ""
-    active_at: float = 0.0  # its last output or progress
+    active_at: float = 0.0  # its last output, progress or logged metric
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last value of each
+    gpu: tuple[float | None, float | None] | None = None  # its GPU's utilisation %, memory used in MB
     failure: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -39,6 +41,7 @@ class Panel:
         self._ended_hint = ended_hint  # and once it ended
         self.logs: collections.deque[tuple[int, str]] = collections.deque(maxlen=LOG_LINES)
         self.lines_seen = 0
+        self.plot_png: str | None = None  # base64: the ranks' metrics plotted (panel_plot.py)
 
     # ------------------------------------------------------------ what the ranks show
 
@@ -65,6 +68,9 @@ class Panel:
         parsed = progress_text.parse(text)
         if parsed is not None:
             row.progress = parsed
+
+    def metrics(self, rank: int, latest: dict[str, float], now: float) -> None:
+        self._alive(rank, now).metrics.update(latest)
 
     def exited(self, rank: int, exit_code: int, signal: int) -> None:
         row = self.rows[rank]
@@ -113,6 +119,9 @@ class Panel:
         waits = [row.active_at + self.stall_warning - now for row in self.rows
                  if row.state in ("starting", "running") and now - row.active_at < self.stall_warning]
         return max(min(waits), 0.0) if waits else None
+
+    def any_running(self) -> bool:
+        return any(row.state == "running" for row in self.rows)
 
     def _alive(self, rank: int, now: float) -> RankRow:
         row = self.rows[rank]

@@ -31,11 +31,25 @@ def _duration(seconds: float) -> str:
     return f"{int(seconds)} s"
 
 
+def gpu_words(row: RankRow) -> str:
+    """'GPU 87% 41.2 GB', from the caller's NVML samples of the rank's GPU."""
+    if row.gpu is None:
+        return ""
+    utilisation, memory_mb = row.gpu
+    parts = ["GPU"]
+    if utilisation is not None:
+        parts.append(f"{utilisation:.0f}%")
+    if memory_mb is not None:
+        parts.append(f"{memory_mb / 1000:.1f} GB")
+    return " ".join(parts)
+
+
 def progress_words(row: RankRow) -> str:
-    """'45/100 45% 39.8 it/s, 00:01 left', as far as the bar tells."""
+    """'45/100 45% 39.8 it/s 00:01 left loss=0.25', as far as the bar and the metrics tell."""
+    metrics = " ".join(f"{key}={value:.4g}" for key, value in list(row.metrics.items())[:3])
     progress = row.progress
     if progress is None:
-        return ""
+        return metrics
     count = f"{progress.n:g}/{progress.total:g}" if progress.total else f"{progress.n:g}"
     parts = [count]
     if progress.fraction is not None:
@@ -45,6 +59,8 @@ def progress_words(row: RankRow) -> str:
         parts.append(rate)
     if progress.seconds_left is not None and row.state == "running":
         parts.append(f"{format_seconds(progress.seconds_left)} left")
+    if metrics:
+        parts.append(metrics)
     return " ".join(parts)
 
 
@@ -63,7 +79,8 @@ def text_rows(panel: Panel, now: float, colour: bool = False) -> list[str]:
         warned = " ".join(flags(panel, rank, now, stragglers))
         status = " ".join(part for part in (bar + progress_words(row), yellow + warned + reset if warned else "") if part)
         last = row.last_line or (row.bar_text if row.progress is None else "")
-        line = f"rank {rank}  {row.where}  {row.state:<8} {status}" + (f"  | {last}" if last else "")
+        gpu = f" ({gpu_words(row)})" if row.gpu is not None else ""
+        line = f"rank {rank}  {row.where}{gpu}  {row.state:<8} {status}" + (f"  | {last}" if last else "")
         rows.append(red + line + reset if row.state == "failed" else line)
         rows.extend(f"{red}    {failure}{reset}" for failure in row.failure)
     if panel.run_hint:
@@ -81,9 +98,11 @@ def html_panel(panel: Panel, now: float) -> str:
     shown = f"last {len(panel.logs)} of {panel.lines_seen} lines" if panel.lines_seen > len(panel.logs) else \
         f"{panel.lines_seen} lines"
     hint = f'<div style="color:#666;margin-top:4px">{html.escape(panel.run_hint)}</div>' if panel.run_hint else ""
+    plot = (f'<img class="fanrun-plot" alt="the metrics the ranks logged, by step" '
+            f'src="data:image/png;base64,{panel.plot_png}">' if panel.plot_png else "")
     return (f'<div class="fanrun-panel" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
             f'<table style="border-collapse:collapse"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-            f'{hint}<details class="fanrun-logs"><summary>Logs ({shown})</summary>'
+            f'{plot}{hint}<details class="fanrun-logs"><summary>Logs ({shown})</summary>'
             f'<pre style="max-height:30em;overflow:auto">{html.escape(logs)}</pre></details></div>')
 
 
@@ -99,7 +118,8 @@ def _html_row(panel: Panel, rank: int, row: RankRow, now: float, stragglers: set
     colour = _STATE_COLOURS.get(row.state, "#000")
     return (f'<tr class="fanrun-rank" data-rank="{rank}" data-state="{row.state}" '
             f'data-fraction="{"" if fraction is None else f"{fraction:.4f}"}" style="{background}">'
-            f'<td style="{cells}">{rank}</td><td style="{cells}">{html.escape(row.where)}</td>'
+            f'<td style="{cells}">{rank}</td><td style="{cells}">{html.escape(row.where)}'
+            f'<div class="fanrun-gpu" style="color:#555">{html.escape(gpu_words(row))}</div></td>'
             f'<td style="{cells};color:{colour};font-weight:bold">{row.state}</td>'
             f'<td style="{cells}">{meter}</td><td style="{cells}">{html.escape(progress_words(row))}{warning}</td>'
             f'<td style="{cells};max-width:40em;overflow:hidden;white-space:nowrap;text-overflow:ellipsis">'

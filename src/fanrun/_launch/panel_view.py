@@ -10,15 +10,25 @@ import math
 
 from .output_views import Key, _fit, _stream, _terminal_size, flush_streams
 from .panel import Panel
+from .panel_metrics import MetricFiles
+from .panel_plot import MetricPlot
 from .panel_render import html_panel, text_rows
 
 # At most this often: the panel costs the caller little however fast the ranks print.
 REDRAW_EVERY_S = 0.5
+# The ranks' metric files are read this often while ranks run.
+METRICS_EVERY_S = 1.0
 
 
 class PanelView:
-    def __init__(self, panel: Panel, surface: str, block_stream: int = 2) -> None:
+    def __init__(self, panel: Panel, surface: str, block_stream: int = 2, metrics: MetricFiles | None = None,
+                 gpu_sample=None) -> None:
         self.panel = panel
+        self._metrics = metrics
+        self._gpu_sample = gpu_sample  # () -> [(utilisation %, memory MB)] in rank order
+        self._metrics_read_at = -math.inf
+        self._plot = MetricPlot() if surface == "notebook" else None  # a terminal shows the last values
+        self._plot_stale = False  # points read since the plot was drawn
         self._surface = surface  # "notebook" or "terminal"
         self._block_stream = block_stream  # a terminal's stream the block is drawn on
         self._dirty = True
@@ -50,12 +60,46 @@ class PanelView:
         # A stalled rank's "no progress for N min" grows: redrawn each minute.
         if any(self.panel.stalled_for(rank, now) is not None for rank in range(len(self.panel.rows))):
             waits.append(max(0.0, self._drawn_at + 60.0 - now))
+        if self._samples() and self.panel.any_running():
+            waits.append(max(0.0, self._metrics_read_at + METRICS_EVERY_S - now))
+        if self._plot_stale:
+            waits.append(self._plot.due_in(now))
         return min(waits, default=None)
 
     def redraw(self, now: float) -> None:
+        if self._samples() and now >= self._metrics_read_at + METRICS_EVERY_S:
+            self._read_metrics(now)
         due = self.due_in(now)
         if due is not None and due == 0:
             self._draw(now)
+
+    def _samples(self) -> bool:
+        return self._metrics is not None or self._gpu_sample is not None
+
+    def _read_metrics(self, now: float) -> None:
+        """The ranks' logged metrics and their GPUs' samples, read again."""
+        self._metrics_read_at = now
+        if self._gpu_sample is not None:
+            try:
+                samples = self._gpu_sample()
+            except Exception:  # NVML gone (a driver reset): the panel goes on without it
+                self._gpu_sample, samples = None, []
+            for row, sample in zip(self.panel.rows, samples):
+                row.gpu = sample
+            self._dirty = True
+        if self._metrics is None:
+            return
+        logged = self._metrics.read_new()
+        for rank in logged:
+            self.panel.metrics(rank, {key: by_rank[rank][1][-1] for key, by_rank in self._metrics.series.items()
+                                      if rank in by_rank}, now)
+        if logged:
+            self._dirty = True
+            self._plot_stale = self._plot is not None
+        if self._plot_stale and self._plot.due_in(now) == 0:
+            self._plot.draw(self._metrics.series, now)
+            self.panel.plot_png = self._plot.png
+            self._plot_stale = False
 
     def close(self) -> None:
         pass  # finish() draws the last state, once the call's outcome is known
@@ -74,12 +118,20 @@ class PanelView:
         if self._finished:
             return
         self._finished = True
+        if self._samples():
+            self._metrics_read_at = -math.inf
+            if self._plot is not None:
+                self._plot = MetricPlot()  # the last points, drawn whatever the last drawing cost
+            self._read_metrics(now)
         self.panel.finish(failed_rank, failure)
         if self._surface == "terminal":
-            self._erase()
+            # Written over the block, each row whole, what is left below it erased: erasing the
+            # whole block first would clear the screen from its top, which tmux keeps in its history.
             stream = _stream(self._block_stream)
-            stream.write("".join(row + "\n" for row in text_rows(self.panel, now, colour=True)))
+            rows = text_rows(self.panel, now, colour=True)
+            stream.write(self._home() + "".join(row + "\x1b[K\n" for row in rows) + "\x1b[J")
             stream.flush()
+            self._rows = 0
         else:
             self._draw(now)
 
@@ -117,13 +169,6 @@ class PanelView:
         block.write(self._home() + "".join(row + "\x1b[K\n" for row in rows).removesuffix("\n") + "\x1b[J")
         block.flush()
         self._rows = len(rows)
-
-    def _erase(self) -> None:
-        if self._rows:
-            block = _stream(self._block_stream)
-            block.write(self._home() + "\x1b[J")
-            block.flush()
-            self._rows = 0
 
     def _home(self) -> str:
         if self._rows == 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .. import _core, backends
 from .._rank import contract
@@ -43,6 +43,7 @@ def run(
     keep: KeptRanks | None = None,
     display: str | None = None,
     stall_warning: float | None = DEFAULT_STALL_WARNING_S,
+    open_gpu_sample: Callable[[], Callable | None] | None = None,
 ) -> list[object]:
     """Runs `program` on every rank of `plan`; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
@@ -53,7 +54,8 @@ def run(
     the run makes its own once the plan has passed its checks. `warm`: the ranks may be spares
     started ahead of the call (_launch/spares.py). `keep`: the ranks may be the ones this holder
 kept from the last call, and this call's are kept there if it ends well (keep_alive). `display`
-and `stall_warning`: how the ranks' output shows (output.OutputMux)."""
+and `stall_warning`: how the ranks' output shows (output.OutputMux); `open_gpu_sample()`, where a
+panel shows, gives what samples the ranks' GPUs for it."""
     preflight(plan)
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -61,9 +63,10 @@ and `stall_warning`: how the ranks' output shows (output.OutputMux)."""
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
     if paths is None:
         with RunPaths.create(name) as own_paths:
-            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm, keep, display,
-                           stall_warning)
-    return _run_in(paths, name, plan, program, timeout, payload, extra_env, warm, keep, display, stall_warning)
+            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm, keep,
+                           (display, stall_warning, open_gpu_sample))
+    return _run_in(paths, name, plan, program, timeout, payload, extra_env, warm, keep,
+                   (display, stall_warning, open_gpu_sample))
 
 
 def _run_in(
@@ -76,21 +79,22 @@ def _run_in(
     extra_env: Mapping[str, str] | None,
     warm: bool,
     keep: KeptRanks | None,
-    display: str | None,
-    stall_warning: float | None,
+    shown: tuple,
 ) -> list[object]:
     ranks: Ranks | None = None
     try:
         if payload is not None:
             paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), payload)
         logs = f"Logs: {paths.directory}"
-        mux = OutputMux(plan.world_size, display, _where(plan), stall_warning,
+        display, stall_warning, open_gpu_sample = shown
+        mux = OutputMux(plan.world_size, display, _where(plan), stall_warning, open_gpu_sample=open_gpu_sample,
                         hints=(f"Stacks of every rank, without stopping them: fanrun stacks {paths.run_id} "
-                               f"(or fanrun.stacks() from another thread). {logs}", logs))
+                               f"(or fanrun.stacks() from another thread). {logs}", logs), run_dir=paths.directory)
         with SignalWakeup() as wakeup:
             # The first attempt unless extra_env says otherwise, whatever the caller's environment holds.
             first_attempt = {contract.ENV_RESTART_COUNT: "0", contract.ENV_MAX_RESTARTS: "0"}
-            launch = Launch(program=program, paths=paths, env={**os.environ, **first_attempt, **(extra_env or {})},
+            launch = Launch(program=program, paths=paths,
+                            env={**os.environ, **first_attempt, **mux.rank_env, **(extra_env or {})},
                             timeout=timeout,
                             # A function's rank that ends without its result or its error has failed.
                             expect_done=payload is not None, wakeup_fd=wakeup.read_fd, warm=warm, keep=keep,

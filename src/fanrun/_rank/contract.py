@@ -25,6 +25,12 @@ def error_name(rank: int) -> str:
     return f"rank_{rank}.error"
 
 
+def panel_metrics_name(rank: int) -> str:
+    """The metric points the rank logged, one "key<TAB>step<TAB>value" line each, for the caller's
+    live panel; written by the rank only where ENV_PANEL_METRICS is set."""
+    return f"rank_{rank}.metrics.tsv"
+
+
 def log_name(rank: int) -> str:
     """Everything the rank wrote to stdout and stderr, byte for byte; written by the engine."""
     return f"rank_{rank}.log"
@@ -40,6 +46,7 @@ ENV_TRACKING = "FANRUN_MLFLOW"  # what the rank's MLflow does (_rank/tracking.py
 ENV_SPARE = "FANRUN_SPARE_OF"  # in a spare rank's first environment: the pid of the caller it waits for
 ENV_RESTART_COUNT = "FANRUN_RESTART_COUNT"  # which attempt this is: 0, then 1 after the first restart (max_restarts)
 ENV_MAX_RESTARTS = "FANRUN_MAX_RESTARTS"  # how many restarts the call allows
+ENV_PANEL_METRICS = "FANRUN_PANEL_METRICS"  # "1": the caller's panel plots the metrics the rank logs
 ENV_KEEP_ALIVE = "FANRUN_KEEP_ALIVE"  # "1": a spare rank that ends its call well stays for the next (CONTROL_KEPT)
 
 # The control channel: a pipe at this descriptor in every rank, one message a line.

@@ -141,7 +141,7 @@ def _after_import(mlflow, state: tuple) -> None:
         _, run_id, channel, off = state
         run_dir = os.environ.get(_contract["ENV_RUN_DIR"], ".")
         try:
-            off["install"](off["marker"](run_dir, UNREACHABLE_MARKER))
+            off["install"](off["marker"](run_dir, UNREACHABLE_MARKER), _panel_feed())
         except Exception as error:
             _say(f"could not stand in for the unreachable tracking store ({type(error).__name__}: {error})")
             return
@@ -149,7 +149,7 @@ def _after_import(mlflow, state: tuple) -> None:
         return
     off = state[1]
     try:
-        off["install"](off["marker"](os.environ.get(_contract["ENV_RUN_DIR"], "."), DROPPED_MARKER))
+        off["install"](off["marker"](os.environ.get(_contract["ENV_RUN_DIR"], "."), DROPPED_MARKER), _panel_feed())
     except Exception as error:
         _say(f"could not turn MLflow's logging off ({type(error).__name__}: {error})")
 
@@ -211,15 +211,24 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) ->
     _before_thread_shutdown(sender.close)
     _failure_flushes.append(sender.flush)
 
+    feed = _panel_feed()
+
     def send(records: list[tuple]) -> None:
         """records: (key, value, timestamp, step, model_id, dataset_name, dataset_digest)."""
         for key, value, timestamp, step, *_ in records:
             # Checked here, as the store would: a bad name or value raises in the rank's own call.
             _validate_metric(key, value, timestamp, step)
         sender.add(records)
+        if feed is not None:
+            feed(records)
 
     _route_store(call_run_id, send)
     _shortcut_fluent_logging(mlflow, call_run_id, send)
+
+
+def _panel_feed():
+    """panel_feed.py's feed for this rank, or None where the caller's panel plots nothing."""
+    return runpy.run_path(os.path.join(os.path.dirname(__file__), "panel_feed.py"))["make_feed"]()
 
 
 def _route_store(call_run_id: str, send) -> None:

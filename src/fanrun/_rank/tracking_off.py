@@ -22,8 +22,9 @@ SCHEME = "fanrun-nowhere"
 URI = f"{SCHEME}:/"
 
 
-def install(mark) -> None:
-    """Registers the store and artifact repository behind URI; `mark()` is called at each write."""
+def install(mark, feed=None) -> None:
+    """Registers the store and artifact repository behind URI; `mark()` is called at each write,
+    and `feed(records)` (panel_feed.py) with the metrics, where the caller's panel plots them."""
     from mlflow.entities import Experiment, Run, RunData, RunInfo, RunTag
     from mlflow.store.artifact.artifact_repo import ArtifactRepository
     from mlflow.store.artifact.artifact_repository_registry import _artifact_repository_registry
@@ -82,6 +83,8 @@ def install(mark) -> None:
 
         def log_batch(self, run_id, metrics=(), params=(), tags=()):
             mark()
+            if feed is not None and metrics:
+                feed([(m.key, m.value, m.timestamp, m.step) for m in metrics])
 
         def log_inputs(self, run_id, datasets=None, models=None):
             mark()

@@ -33,6 +33,11 @@ class HostReader:
         self._last = _cpu_times()
         self._last_at = time.monotonic()
 
+    def per_gpu(self) -> list[tuple[float | None, float | None]]:
+        """(utilisation %, memory used in MB) of each GPU, in rank order: the live panel's."""
+        return [(None if s["utilization_percent"] is None else float(s["utilization_percent"]),
+                 None if s["memory_used"] is None else s["memory_used"] / 1e6) for s in self._sampler.sample(self._indices)]
+
     def read(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
         now, times = time.monotonic(), _cpu_times()
@@ -64,6 +69,11 @@ class GpuReader:
             return None
         sampler = _nvml_sampler(os.environ.get("FANRUN_NVML_LIBRARY", "libnvidia-ml.so.1"))
         return cls(sampler, nvml_indices) if sampler is not None else None
+
+    def per_gpu(self) -> list[tuple[float | None, float | None]]:
+        """(utilisation %, memory used in MB) of each GPU, in rank order: the live panel's."""
+        return [(None if s["utilization_percent"] is None else float(s["utilization_percent"]),
+                 None if s["memory_used"] is None else s["memory_used"] / 1e6) for s in self._sampler.sample(self._indices)]
 
     def read(self) -> dict[str, float]:
         metrics: dict[str, float] = {}

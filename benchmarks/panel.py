@@ -1,0 +1,133 @@
+"""Benchmark: what the live panel costs. Each rank trains a small model for a fixed number of
+steps, with a tqdm bar, a printed line every 50 steps and mlflow.log_metric every step; the call
+runs in a pseudo-terminal with display="panel", "logs" and "quiet", alternating. For each: the
+caller's CPU time over the call's wall time (its share of one core), and the ranks' training
+steps per second. The panel's own cost is its CPU share less quiet's (no display at all).
+
+    python benchmarks/panel.py              # 2 ranks, 3 rounds
+    python benchmarks/panel.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import pty
+import select
+import statistics
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+GOAL_CPU_SHARE = 0.01  # of one core, for the panel
+GOAL_THROUGHPUT = 0.98  # of quiet's steps per second
+DISPLAYS = ("panel", "logs", "quiet")
+
+CALLER = textwrap.dedent(
+    """
+    import json, resource, statistics, sys, time
+    from fanrun import distributed
+
+    display, ranks, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+    @distributed(num_accelerators=ranks, accelerator_type="CPU", tracking=False, display=display)
+    def train(steps):
+        import time
+        import mlflow
+        import torch
+        from tqdm import tqdm
+
+        torch.set_num_threads(1)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(64, 256), torch.randn(64, 1)
+        started = time.perf_counter()
+        for step in tqdm(range(steps), desc="train"):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            mlflow.log_metric("loss", loss.item(), step=step)
+            if step % 50 == 0:
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
+        return steps / (time.perf_counter() - started)
+
+    train.distributed(10)  # imports and caches warm: what is measured is the display
+    before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    rates = train.distributed(steps)
+    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    with open(out, "w") as file:
+        json.dump({"cpu_s": cpu, "wall_s": wall, "steps_per_s": statistics.mean(rates)}, file)
+    """
+)
+
+
+def in_terminal(args: list[str]) -> int:
+    """Runs `args` with a pseudo-terminal of 150 x 50 for its stdout and stderr, reading what it
+    draws as a terminal would; returns its exit code."""
+    import fcntl
+    import struct
+    import termios
+
+    pid, master = pty.fork()
+    if pid == 0:
+        os.environ["TERM"] = "xterm"
+        os.execv(args[0], args)
+    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 150, 0, 0))
+    while True:
+        select.select([master], [], [])
+        try:
+            if not os.read(master, 65536):
+                break
+        except OSError:  # EIO: the child closed its side
+            break
+    _, status = os.waitpid(pid, 0)
+    os.close(master)
+    return os.waitstatus_to_exitcode(status)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny: 200 steps, one round")
+    options = parser.parse_args()
+    if options.smoke:
+        options.steps, options.rounds = 200, 1
+    results: dict[str, list[dict]] = {display: [] for display in DISPLAYS}
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "caller.py"
+        script.write_text(CALLER)
+        for _ in range(options.rounds):
+            for display in DISPLAYS:
+                out = Path(folder) / f"{display}.json"
+                code = in_terminal([sys.executable, str(script), display, str(options.ranks), str(options.steps), str(out)])
+                if code != 0:
+                    raise SystemExit(f"the {display} call exited with {code}")
+                results[display].append(json.loads(out.read_text()))
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"{options.ranks} ranks x {options.steps} steps, {options.rounds} round(s), medians")
+    print("| display | caller CPU share of one core | steps/s per rank | vs quiet |")
+    print("| --- | ---: | ---: | ---: |")
+    share = {d: statistics.median(r["cpu_s"] / r["wall_s"] for r in results[d]) for d in DISPLAYS}
+    rate = {d: statistics.median(r["steps_per_s"] for r in results[d]) for d in DISPLAYS}
+    for display in DISPLAYS:
+        print(f"| {display} | {share[display]:.2%} | {rate[display]:,.0f} | {rate[display] / rate['quiet']:.3f}x |")
+    for display in DISPLAYS:
+        print(f"{display}, each round: CPU share " + ", ".join(f"{r['cpu_s'] / r['wall_s']:.2%}" for r in results[display])
+              + "; steps/s " + ", ".join(f"{r['steps_per_s']:,.0f}" for r in results[display]))
+    own = share["panel"] - share["quiet"]
+    print("Goals:")
+    print(f"  the panel's own CPU (panel - quiet) under {GOAL_CPU_SHARE:.0%} of one core: "
+          f"{'holds' if own < GOAL_CPU_SHARE else 'NOT MET'} ({own:.2%})")
+    print(f"  training throughput with the panel at least {GOAL_THROUGHPUT:.0%} of quiet's: "
+          f"{'holds' if rate['panel'] / rate['quiet'] >= GOAL_THROUGHPUT else 'NOT MET'} ({rate['panel'] / rate['quiet']:.3f}x)")
+
+
+if __name__ == "__main__":
+    main()
