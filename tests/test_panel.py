@@ -281,6 +281,20 @@ def test_a_notebook_cell_shows_one_panel_updated_in_place(notebook_run):
     assert "[rank" not in streams and "returned [0, 1]" in streams, streams
 
 
+def test_eight_ranks_with_bars_are_one_panel_in_a_notebook_cell(tmp_path):
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        PANEL_CALL.format(ranks=8, fail_rank=-1).replace(', display="panel"', ""))])
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = notebook.cells[0].outputs
+    panels = [o for o in outputs if o.output_type == "display_data"]
+    assert len(panels) == 1 and "fanrun-panel" in panels[0].data["text/html"], outputs
+    page = panels[0].data["text/html"]
+    for rank in range(8):
+        assert f'data-rank="{rank}" data-state="done" data-fraction="1.0000"' in page, page
+    streams = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert streams == "returned [0, 1, 2, 3, 4, 5, 6, 7]\n", streams
+
+
 class _Dom(html.parser.HTMLParser):
     """The elements a browser ended up with, as (tag, attributes)."""
 
