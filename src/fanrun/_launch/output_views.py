@@ -278,30 +278,38 @@ class TerminalView:
 
     def _draw(self, now: float) -> None:
         flush_streams()  # the lines written since the last draw go above the block
-        block = _stream(self._block_stream)
-        columns, rows = _terminal_size(block)
-        lines = [_fit(self._labels[key[0]] + text, columns - 1) for key, text in sorted(self._live.items())]
-        room = max(rows - 1, 1)
-        if len(lines) > room:
-            lines = lines[: room - 1] + [f"... and {len(lines) - room + 1} more"]
-        block.write(self._home() + "".join(line + "\x1b[K\n" for line in lines).removesuffix("\n") + "\x1b[J")
-        block.flush()
-        self._rows = len(lines)
+        lines = [self._labels[key[0]] + text for key, text in sorted(self._live.items())]
+        self._rows = draw_block(_stream(self._block_stream), lines, self._rows)
         self._dirty = False
         self._drawn_at = now
 
     def _erase(self) -> None:
         if self._rows:
             block = _stream(self._block_stream)
-            block.write(self._home() + "\x1b[J")
+            block.write(block_home(self._rows) + "\x1b[J")
             block.flush()
             self._rows = 0
 
-    def _home(self) -> str:
-        """Back to the first column of the block's first row."""
-        if self._rows == 0:
-            return ""
-        return "\r" + (f"\x1b[{self._rows - 1}A" if self._rows > 1 else "")
+
+def draw_block(stream: TextIO, lines: list[str], rows_now: int) -> int:
+    """Draws `lines` as a terminal's live block, over the `rows_now` rows the block has on the
+    screen, each fitted to a row and as many as the screen holds; returns the rows it has now.
+    The cursor ends on its last row."""
+    columns, height = _terminal_size(stream)
+    lines = [_fit(line, columns - 1) for line in lines]
+    room = max(height - 1, 1)
+    if len(lines) > room:
+        lines = lines[: room - 1] + [f"... and {len(lines) - room + 1} more"]
+    stream.write(block_home(rows_now) + "".join(line + "\x1b[K\n" for line in lines).removesuffix("\n") + "\x1b[J")
+    stream.flush()
+    return len(lines)
+
+
+def block_home(rows: int) -> str:
+    """Back to the first column of the first row of a block of `rows` rows the cursor ends."""
+    if rows == 0:
+        return ""
+    return "\r" + (f"\x1b[{rows - 1}A" if rows > 1 else "")
 
 
 def _terminal_size(stream: TextIO) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .output_views import Key, _fit, _stream, _terminal_size, flush_streams
+from .output_views import Key, _stream, block_home, draw_block, flush_streams
 from .panel import Panel
 from .panel_metrics import MetricFiles
 from .panel_plot import MetricPlot
@@ -129,7 +129,7 @@ class PanelView:
             # whole block first would clear the screen from its top, which tmux keeps in its history.
             stream = _stream(self._block_stream)
             rows = text_rows(self.panel, now, colour=True)
-            stream.write(self._home() + "".join(row + "\x1b[K\n" for row in rows) + "\x1b[J")
+            stream.write(block_home(self._rows) + "".join(row + "\x1b[K\n" for row in rows) + "\x1b[J")
             stream.flush()
             self._rows = 0
         else:
@@ -160,20 +160,7 @@ class PanelView:
             self._handle.update(self._bundle(now), raw=True)
 
     def _draw_in_terminal(self, now: float) -> None:
-        block = _stream(self._block_stream)
-        columns, lines = _terminal_size(block)
-        rows = [_fit(row, columns - 1) for row in text_rows(self.panel, now, colour=True)]
-        room = max(lines - 1, 1)
-        if len(rows) > room:
-            rows = rows[: room - 1] + [f"... and {len(rows) - room + 1} more"]
-        block.write(self._home() + "".join(row + "\x1b[K\n" for row in rows).removesuffix("\n") + "\x1b[J")
-        block.flush()
-        self._rows = len(rows)
-
-    def _home(self) -> str:
-        if self._rows == 0:
-            return ""
-        return "\r" + (f"\x1b[{self._rows - 1}A" if self._rows > 1 else "")
+        self._rows = draw_block(_stream(self._block_stream), text_rows(self.panel, now, colour=True), self._rows)
 
 
 class QuietView:
