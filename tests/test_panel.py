@@ -67,8 +67,8 @@ def test_a_quiet_rank_is_flagged_and_a_slow_one_marked():
 def test_a_failed_rank_row_holds_its_traceback_and_markup_is_escaped():
     panel = Panel(2, ["CPU", "CPU"], started_at=0.0, stall_warning=None)
     panel.started(0.0)
-    panel.line(1, 1, "<b>step</b> 3", now=1.0)
-    panel.finish(1, ["Traceback (most recent call last):", '  File "x.py", line 3, in f', "ValueError: bad <batch>"])
+    panel.line(1, "<b>step</b> 3", now=1.0)
+    panel.finish(False, 1, ["Traceback (most recent call last):", '  File "x.py", line 3, in f', "ValueError: bad <batch>"])
     assert [row.state for row in panel.rows] == ["stopped", "failed"]
     page = html_panel(panel, now=2.0)
     assert "&lt;b&gt;step&lt;/b&gt; 3" in page and "ValueError: bad &lt;batch&gt;" in page and "<b>" not in page

@@ -106,11 +106,11 @@ class OutputMux:
         if self.panel is not None:
             self.panel.exited(rank, exit_code, signal, time.monotonic())
 
-    def finish(self, failed_rank: int | None, failure: list[str]) -> None:
+    def finish(self, ended_well: bool, failed_rank: int | None = None, failure: list[str] = ()) -> None:
         """The call's outcome is known: the panel shows its last state (the root cause's row red,
         with the last lines of its traceback)."""
         if self.panel is not None:
-            self.panel.finish(failed_rank, failure, time.monotonic())
+            self.panel.finish(ended_well, failed_rank, list(failure), time.monotonic())
             flush_streams()
 
     def seconds_to_redraw(self) -> float:

@@ -13,7 +13,7 @@ from .progress_text import Progress
 
 # Lines of the whole call kept for the logs shown under the panel; the run's logs keep them all.
 LOG_LINES = 500
-# Lines of a failed rank's stderr shown in its row.
+# Lines of the root cause's traceback shown in its row.
 FAILURE_LINES = 8
 # A rank is a straggler when its rate is below this fraction of the ranks' median.
 STRAGGLER_FRACTION = 0.5
@@ -50,7 +50,7 @@ class Panel:
         for row in self.rows:
             row.state, row.active_at = "running", now
 
-    def line(self, rank: int, stream: int, text: str, now: float) -> None:
+    def line(self, rank: int, text: str, now: float) -> None:
         row = self._alive(rank, now)
         final_bar = progress_text.parse(text, tqdm_only=True)
         if final_bar is not None:  # a bar's last state, ended with a newline (tqdm's close)
@@ -78,20 +78,20 @@ class Panel:
             return
         row.state = "done" if exit_code == 0 and signal == 0 else "stopped" if signal else "failed"
 
-    def failed(self, rank: int, stderr_tail: list[str]) -> None:
+    def failed(self, rank: int, traceback: list[str]) -> None:
         row = self.rows[rank]
         row.state = "failed"
-        row.failure = [line for line in stderr_tail if line.strip()][-FAILURE_LINES:]
+        row.failure = [line for line in traceback if line.strip()][-FAILURE_LINES:]
 
-    def finish(self, failed_rank: int | None, stderr_tail: list[str]) -> None:
+    def finish(self, ended_well: bool, failed_rank: int | None = None, traceback: list[str] = ()) -> None:
         """At the call's end: the root cause's row gets its traceback; ranks still shown as
-        running were stopped with the call."""
+        running were done, or stopped with a call that did not end well."""
         self.run_hint = self._ended_hint
         if failed_rank is not None and 0 <= failed_rank < len(self.rows):
-            self.failed(failed_rank, stderr_tail)
+            self.failed(failed_rank, list(traceback))
         for row in self.rows:
             if row.state in ("starting", "running"):
-                row.state = "stopped" if failed_rank is not None else "done"
+                row.state = "done" if ended_well else "stopped"
 
     # ------------------------------------------------------------ what the panel flags
 

@@ -40,7 +40,7 @@ class PanelView:
     # ------------------------------------------------------------ View
 
     def line(self, key: Key, whole: str, rest: str, now: float) -> None:
-        self.panel.line(key[0], key[1], whole, now)
+        self.panel.line(key[0], whole, now)
         self._dirty = True
 
     def partial(self, key: Key, piece: str, whole: str, now: float) -> None:
@@ -114,7 +114,7 @@ class PanelView:
         self.panel.exited(rank, exit_code, signal)
         self._dirty = True
 
-    def finish(self, failed_rank: int | None, failure: list[str], now: float) -> None:
+    def finish(self, ended_well: bool, failed_rank: int | None, failure: list[str], now: float) -> None:
         if self._finished:
             return
         self._finished = True
@@ -123,7 +123,7 @@ class PanelView:
             if self._plot is not None:
                 self._plot = MetricPlot()  # the last points, drawn whatever the last drawing cost
             self._read_metrics(now)
-        self.panel.finish(failed_rank, failure)
+        self.panel.finish(ended_well, failed_rank, failure)
         if self._surface == "terminal":
             # Written over the block, each row whole, what is left below it erased: erasing the
             # whole block first would clear the screen from its top, which tmux keeps in its history.

@@ -113,6 +113,7 @@ def _run_in(
                     _pump(ranks, mux, wakeup, timeout_report)
                 except BaseException:
                     ranks.kill_and_reap()  # a second interrupt: no more grace
+                mux.finish(ended_well=False)
                 raise
             finally:
                 running_calls.remove(paths)
@@ -121,9 +122,9 @@ def _run_in(
             results = collect(name, ranks, paths, mux, timeout_report, timeout, returns_values=payload is not None)
         except BaseException as error:
             failed = ranks.first_failed_rank if ranks.stop_reason == _core.StopReason.RANK_FAILED else None
-            mux.finish(failed, _last_lines(error))
+            mux.finish(False, failed, _last_lines(error))
             raise
-        mux.finish(None, [])
+        mux.finish(True)
         return results
     except Exception as error:
         if not plan.use_gpus:
