@@ -177,6 +177,42 @@ def test_a_rank_quiet_past_stall_warning_is_flagged_while_it_runs(tmp_path):
     assert rendered([(0.0, frames.encode())])[-1] == "returned [0, 1]"
 
 
+INTERRUPTED = """
+import os, signal, sys, threading, time
+from fanrun import distributed
+
+folder = sys.argv[1]
+
+@distributed(num_accelerators=2, accelerator_type="CPU", tracking=False, display="panel")
+def wait(folder):
+    import os, time
+    open(os.path.join(folder, "ready" + os.environ["RANK"]), "w").close()
+    time.sleep(120)
+
+def interrupt():
+    # Ctrl+C, once both ranks run: SIGINT to this process, as a terminal sends it.
+    while not all(os.path.exists(os.path.join(folder, f"ready{r}")) for r in range(2)):
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt, daemon=True).start()
+try:
+    wait.distributed(folder)
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_an_interrupted_call_leaves_its_rows_stopped(tmp_path):
+    script = tmp_path / "interrupted.py"
+    script.write_text(f"import sys; sys.argv[1:] = [{str(tmp_path)!r}]\n" + INTERRUPTED)  # run_in_terminal passes none
+    lines = rendered(run_in_terminal(script))
+    rows = [line for line in lines if line.startswith("rank ")]
+    assert [row.split()[3] for row in rows] == ["stopped", "stopped"], "\n".join(lines)
+    assert lines[-1] == "interrupted"
+    assert processes_of_runs_under(os.environ["FANRUN_RUNS_DIR"]) == []
+
+
 STACKS = """
 import os, subprocess, sys, threading, time
 import fanrun
