@@ -1,6 +1,6 @@
 """Benchmark: what the live panel costs. Each rank trains a small model for a fixed number of
 steps, with a tqdm bar, a printed line every 50 steps and mlflow.log_metric every step; the call
-runs in a pseudo-terminal with display="panel", "logs" and "quiet", alternating. For each: the
+runs in a pseudo-terminal with display="panel", "logs" and "quiet", alternating, from one caller. For each: the
 caller's CPU time over the call's wall time (its share of one core), and the ranks' training
 steps per second. The panel's own cost is its CPU share less quiet's (no display at all).
 
@@ -31,9 +31,8 @@ CALLER = textwrap.dedent(
     import json, resource, statistics, sys, time
     from fanrun import distributed
 
-    display, ranks, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    displays, ranks, steps, rounds, out = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 
-    @distributed(num_accelerators=ranks, accelerator_type="CPU", tracking=False, display=display)
     def train(steps):
         import time
         import mlflow
@@ -55,13 +54,19 @@ CALLER = textwrap.dedent(
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
         return steps / (time.perf_counter() - started)
 
-    train.distributed(10)  # imports and caches warm: what is measured is the display
-    before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    rates = train.distributed(steps)
-    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    calls = {d: distributed(num_accelerators=ranks, accelerator_type="CPU", tracking=False, display=d)(train)
+             for d in displays}
+    calls["quiet"].distributed(10)  # imports and caches warm: what is measured is the display
+    results = {d: [] for d in displays}
+    for _ in range(rounds):  # alternating, so that a slow spell of the machine falls on each
+        for display, call in calls.items():
+            before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            rates = call.distributed(steps)
+            after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            results[display].append({"cpu_s": cpu, "wall_s": wall, "steps_per_s": statistics.mean(rates)})
     with open(out, "w") as file:
-        json.dump({"cpu_s": cpu, "wall_s": wall, "steps_per_s": statistics.mean(rates)}, file)
+        json.dump(results, file)
     """
 )
 
@@ -99,17 +104,15 @@ def main() -> None:
     options = parser.parse_args()
     if options.smoke:
         options.steps, options.rounds = 200, 1
-    results: dict[str, list[dict]] = {display: [] for display in DISPLAYS}
     with tempfile.TemporaryDirectory() as folder:
-        script = Path(folder) / "caller.py"
+        script, out = Path(folder) / "caller.py", Path(folder) / "results.json"
         script.write_text(CALLER)
-        for _ in range(options.rounds):
-            for display in DISPLAYS:
-                out = Path(folder) / f"{display}.json"
-                code = in_terminal([sys.executable, str(script), display, str(options.ranks), str(options.steps), str(out)])
-                if code != 0:
-                    raise SystemExit(f"the {display} call exited with {code}")
-                results[display].append(json.loads(out.read_text()))
+        # One caller for every display: one interpreter start, one warm-up.
+        code = in_terminal([sys.executable, str(script), ",".join(DISPLAYS), str(options.ranks), str(options.steps),
+                            str(options.rounds), str(out)])
+        if code != 0:
+            raise SystemExit(f"the caller exited with {code}")
+        results = json.loads(out.read_text())
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"{options.ranks} ranks x {options.steps} steps, {options.rounds} round(s), medians")
     print("| display | caller CPU share of one core | steps/s per rank | vs quiet |")

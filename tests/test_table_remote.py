@@ -86,3 +86,21 @@ def test_a_file_that_vanishes_from_the_server_is_named(served, tmp_path):
     gone.unlink()
     with pytest.raises(TableError, match=f"{server.url}/vanishing/day={DAYS[0]}/part-0.parquet"):
         list(dataset)
+
+
+def test_ranks_of_one_run_read_the_footers_once_per_node(served, tmp_path, monkeypatch):
+    """The first rank of a run on a node asks the store for the footers and sizes; the others read
+    its answer, so a footer broken after it is never seen by them, and is by another run."""
+    server, root, rows = served
+    copy = root / "shared"
+    shutil.copytree(root / "events", copy)
+    monkeypatch.setenv("FANRUN_RUN_ID", "run-a")
+    first = TableDataset(f"{server.url}/shared/", cache_dir=tmp_path / "cache")
+    broken = copy / f"day={DAYS[1]}" / "part-1.parquet"
+    broken.write_bytes(b"not parquet" * 100)
+    second = TableDataset(f"{server.url}/shared/", cache_dir=tmp_path / "cache")
+    assert second.source.pieces == first.source.pieces and second.num_rows == len(rows)
+    monkeypatch.setenv("FANRUN_RUN_ID", "run-b")
+    with pytest.raises(TableError, match=f"its file {server.url}/shared/day={DAYS[1]}/part-1.parquet is not a readable"):
+        TableDataset(f"{server.url}/shared/", cache_dir=tmp_path / "cache")
+

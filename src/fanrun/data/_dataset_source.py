@@ -206,28 +206,37 @@ def _run_token() -> str | None:
 def shared_listing(
     source, pattern: str | None, storage_options: dict, cache_dir: str, cache_dir_fd: int
 ) -> list[SourceFile]:
-    """list_files, done by one process of the run on this node and read by the others. The
-    listing and its lock are in listings/ of the cache directory (open as cache_dir_fd, already
-    checked to be the caller's alone), opened there without following links, and private."""
+    """list_files, done by one process of the run on this node and read by the others."""
+    listed = once_per_run([repr(source), pattern], lambda: list_files(source, pattern, storage_options),
+                          cache_dir, cache_dir_fd)
+    with _collector_paused():
+        return list(map(SourceFile._make, listed))
+
+
+def once_per_run(key_parts: list, compute, cache_dir: str, cache_dir_fd: int):
+    """compute(), done by one process of the run on this node, its result (JSON-able) read back
+    by the others: lists stand for tuples there. The result and its lock are in listings/ of
+    the cache directory (open as cache_dir_fd, already checked to be the caller's alone),
+    opened there without following links, and private."""
     token = _run_token()
     if token is None:
-        return list_files(source, pattern, storage_options)
-    key = hashlib.sha256(json.dumps([token, repr(source), pattern], sort_keys=True).encode()).hexdigest()[:32]
+        return compute()
+    key = hashlib.sha256(json.dumps([token, *key_parts], sort_keys=True, default=repr).encode()).hexdigest()[:32]
     directory = open_private_subdir(cache_dir_fd, "listings", cache_dir, what="The cache directory",
                                     remedy=CACHE_DIR_REMEDY)
     try:
         lock = _open_own(key + ".lock", os.O_RDWR | os.O_CREAT, directory)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
-            files = _read_listing(key + ".json", directory)
-            if files is not None:
-                return files
-            files = list_files(source, pattern, storage_options)
-            _write_listing(key + ".json", files, directory)
+            found = _read_listing(key + ".json", directory)
+            if found is not None:
+                return found
+            result = compute()
+            _write_listing(key + ".json", result, directory)
         finally:
             os.close(lock)
         _remove_stale_listings(directory)
-        return files
+        return result
     finally:
         os.close(directory)
 
@@ -245,7 +254,7 @@ def _open_own(name: str, flags: int, directory: int) -> int:
     return os.open(name, flags, 0o600, dir_fd=directory)
 
 
-def _read_listing(name: str, directory: int) -> list[SourceFile] | None:
+def _read_listing(name: str, directory: int):
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
     except FileNotFoundError:
@@ -255,10 +264,10 @@ def _read_listing(name: str, directory: int) -> list[SourceFile] | None:
             return None  # not fanrun's: replaced when the listing is written
         raise
     with os.fdopen(fd) as file, _collector_paused():
-        return list(map(SourceFile._make, json.load(file)))
+        return json.load(file)
 
 
-def _write_listing(name: str, files: list[SourceFile], directory: int) -> None:
+def _write_listing(name: str, result, directory: int) -> None:
     """Written whole to a temporary file, then renamed over `name`: readers see all or nothing."""
     temporary = f"{name}.{os.getpid()}.tmp"
     with contextlib.suppress(FileNotFoundError):
@@ -266,7 +275,7 @@ def _write_listing(name: str, files: list[SourceFile], directory: int) -> None:
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                  dir_fd=directory)
     with os.fdopen(fd, "w") as file:
-        file.write(json.dumps(files, separators=(",", ":")))
+        file.write(json.dumps(result, separators=(",", ":")))
     os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
 
 

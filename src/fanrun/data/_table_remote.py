@@ -5,11 +5,10 @@ A footer alone is read in place, by range, when the table is opened."""
 from __future__ import annotations
 
 import atexit
-import os
 import weakref
 
 from .. import _core
-from ._cache import cache_name, check_cache_limit, engine_fetches, engine_http_options, open_cache_dir
+from ._cache import cache_name, check_cache_limit, engine_fetches, engine_http_options
 from ._per_process import PerProcess
 
 # Files each reader asks the cache for ahead of the one it reads.
@@ -36,7 +35,7 @@ class RemoteFiles:
 
     def __init__(self, filesystem, files: list, sizes: list[int], cache_dir: str, cache_limit: int,
                  storage_options: dict) -> None:
-        os.close(open_cache_dir(cache_dir))  # refused here, before any work, if not the caller's alone
+        """cache_dir has been checked to be the caller's alone."""
         self.cache_dir = cache_dir
         self.cache_limit = cache_limit
         self.sources = [f.source for f in files]

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import FanrunError, TableError
+from ._cache import open_cache_dir
+from ._dataset_source import once_per_run
 from ._table_remote import RemoteFiles
 
 
@@ -60,10 +62,18 @@ class TableSource:
             self.kind = "Parquet table"
             self.schema, self.files = _parquet(self.filesystem, root, self.uri, filter, by_fsspec, storage_options)
         self.columns = self._columns(columns, version)
-        self.pieces = self._pieces()
         self.remote = None
-        if not isinstance(self.filesystem, pyarrow.fs.LocalFileSystem):
-            sizes = [info.size for info in self.filesystem.get_file_info([f.path for f in self.files])]
+        if isinstance(self.filesystem, pyarrow.fs.LocalFileSystem):
+            self.pieces = self._pieces()
+        else:
+            # Footers and sizes, asked of the store by one rank of the node; the others read them.
+            cache_dir_fd = open_cache_dir(cache_dir)  # refused here, before any work, if not the caller's alone
+            try:
+                pieces, sizes = once_per_run(["table", self.uri, version, repr(filter)], self._layout, cache_dir,
+                                             cache_dir_fd)
+            finally:
+                os.close(cache_dir_fd)
+            self.pieces = [Piece(*piece) for piece in pieces]
             self.remote = RemoteFiles(self.filesystem, self.files, sizes, cache_dir, cache_limit, storage_options)
         self._open: dict[int, Any] = {}
 
@@ -83,6 +93,11 @@ class TableSource:
             raise TableError(f"{self.kind} {self.uri}{at} has no column {', '.join(map(repr, missing))}; "
                              f"its columns are {', '.join(names)}")
         return list(columns)
+
+    def _layout(self) -> list:
+        """The pieces and the files' sizes, as JSON holds them."""
+        sizes = [info.size for info in self.filesystem.get_file_info([f.path for f in self.files])]
+        return [[dataclasses.astuple(piece) for piece in self._pieces()], sizes]
 
     def _pieces(self) -> list[Piece]:
         import pyarrow.parquet as pq
