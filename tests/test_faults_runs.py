@@ -549,6 +549,8 @@ def test_everything_written_is_private_whatever_the_umask(runs_dir, monkeypatch)
     finally:
         os.umask(previous)
     assert [mode(p) for p in (base / "made", base / "made" / "by", root)] == [0o700] * 3
+    # ranks.json (fanrun stacks' record of the ranks) is written once they started: there or not yet.
+    assert modes.pop("ranks.json", 0o600) == 0o600
     assert modes == {"payload.pkl": 0o600, "rank_0.log": 0o600, _paths.RUN_MARKER: 0o600}
     runs = sorted(root.iterdir())
     assert [mode(run) for run in runs] == [0o700, 0o700]
