@@ -1,6 +1,7 @@
 """Benchmark: what the live panel costs. Each rank trains a small model for a fixed number of
 steps, with a tqdm bar, a printed line every 50 steps and mlflow.log_metric every step; the call
-runs in a pseudo-terminal with display="panel", "logs" and "quiet", alternating, from one caller. For each: the
+runs in a pseudo-terminal with display="panel", "logs" and "quiet", from one caller, each
+round in a rotated order. For each: the
 caller's CPU time over the call's wall time (its share of one core), and the ranks' training
 steps per second. The panel's own cost is its CPU share less quiet's (no display at all).
 
@@ -58,8 +59,11 @@ CALLER = textwrap.dedent(
              for d in displays}
     calls["quiet"].distributed(10)  # imports and caches warm: what is measured is the display
     results = {d: [] for d in displays}
-    for _ in range(rounds):  # alternating, so that a slow spell of the machine falls on each
-        for display, call in calls.items():
+    for round in range(rounds):
+        # Each round in another order, so that each display takes each place: the first call of
+        # a round ran faster or slower than the others by up to 20 % on the 2-core machine.
+        for display in displays[round % len(displays):] + displays[:round % len(displays)]:
+            call = calls[display]
             before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             rates = call.distributed(steps)
             after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
