@@ -45,13 +45,13 @@ def gpu_words(row: RankRow) -> str:
 
 
 def progress_words(row: RankRow) -> str:
-    """'45/100 45% 39.8 it/s 00:01 left loss=0.25', as far as the bar and the metrics tell."""
+    """'train 45/100 45% 39.8 it/s 00:01 left loss=0.25', as far as the bar and the metrics tell."""
     metrics = " ".join(f"{key}={value:.4g}" for key, value in list(row.metrics.items())[:3])
     progress = row.progress
     if progress is None:
         return metrics
     count = f"{progress.n:g}/{progress.total:g}" if progress.total else f"{progress.n:g}"
-    parts = [count]
+    parts = [progress.description, count] if progress.description else [count]
     if progress.fraction is not None:
         parts.append(f"{progress.fraction:.0%}")
     rate = format_rate(progress)
