@@ -67,6 +67,8 @@ def test_a_quiet_rank_is_flagged_and_a_slow_one_marked():
 def test_a_failed_rank_row_holds_its_traceback_and_markup_is_escaped():
     panel = Panel(2, ["CPU", "CPU"], started_at=0.0, stall_warning=None)
     panel.started(0.0)
+    panel.partial(0, "waiting...", now=1.0)
+    assert panel.rows[0].last_line == "waiting..." and panel.rows[0].active_at == 1.0 and not panel.logs
     panel.line(1, "<b>step</b> 3", now=1.0)
     panel.finish(False, 1, ["Traceback (most recent call last):", '  File "x.py", line 3, in f', "ValueError: bad <batch>"])
     assert [row.state for row in panel.rows] == ["stopped", "failed"]

@@ -60,6 +60,12 @@ class Panel:
         self.logs.append((rank, text))
         self.lines_seen += 1
 
+    def partial(self, rank: int, text: str, now: float) -> None:
+        """A line not ended yet ("waiting..."): its row shows it; the logs get it once it ends."""
+        row = self._alive(rank, now)
+        if text.strip():
+            row.last_line = text
+
     def progress(self, rank: int, text: str, now: float) -> None:
         row = self._alive(rank, now)
         if not text.strip():

@@ -44,7 +44,8 @@ class PanelView:
         self._dirty = True
 
     def partial(self, key: Key, piece: str, whole: str, now: float) -> None:
-        pass  # shown once the line ends
+        self.panel.partial(key[0], whole, now)
+        self._dirty = True
 
     def progress(self, key: Key, text: str, now: float) -> None:
         self.panel.progress(key[0], text, now)
