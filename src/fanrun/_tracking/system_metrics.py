@@ -33,11 +33,6 @@ class HostReader:
         self._last = _cpu_times()
         self._last_at = time.monotonic()
 
-    def per_gpu(self) -> list[tuple[float | None, float | None]]:
-        """(utilisation %, memory used in MB) of each GPU, in rank order: the live panel's."""
-        return [(None if s["utilization_percent"] is None else float(s["utilization_percent"]),
-                 None if s["memory_used"] is None else s["memory_used"] / 1e6) for s in self._sampler.sample(self._indices)]
-
     def read(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
         now, times = time.monotonic(), _cpu_times()
