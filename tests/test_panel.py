@@ -263,7 +263,13 @@ def test_stacks_of_a_running_call_from_another_thread_and_from_a_shell(tmp_path)
     assert processes_of_runs_under(os.environ["FANRUN_RUNS_DIR"]) == []
 
 
-def test_stacks_of_no_such_run_is_a_clear_error():
+def test_stacks_without_a_running_call_or_of_no_such_run_is_a_clear_error():
+    import fanrun
+
+    with pytest.raises(fanrun.StacksError, match="No fanrun call is running in this process"):
+        fanrun.stacks()
+    with pytest.raises(fanrun.StacksError, match="run 20261201-000000-0-none: no such run under"):
+        fanrun.stacks("20261201-000000-0-none")
     shell = subprocess.run([sys.executable, "-m", "fanrun", "stacks", "20261201-000000-0-none"], capture_output=True,
                            text=True)
     assert shell.returncode == 2 and "run 20261201-000000-0-none: no such run under" in shell.stderr

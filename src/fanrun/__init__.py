@@ -23,6 +23,7 @@ from ._errors import ResultSerializationError as ResultSerializationError
 from ._errors import RunCancelledError as RunCancelledError
 from ._errors import RunNotFoundError as RunNotFoundError
 from ._errors import RunTimeoutError as RunTimeoutError
+from ._errors import StacksError as StacksError
 from ._errors import TrackingWarning as TrackingWarning
 from ._errors import UnknownRunError as UnknownRunError
 from ._errors import UnsafePathError as UnsafePathError

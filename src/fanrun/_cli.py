@@ -13,7 +13,7 @@ from ._launch import gpu_locks
 from ._launch.program import RankProgram
 from ._launch.run import run
 from ._decorator import DEFAULT_TIMEOUT
-from ._errors import RankFailedError, RemoteTraceback, RunTimeoutError
+from ._errors import RankFailedError, RemoteTraceback, RunTimeoutError, StacksError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(stacks.of_run(options.run))
-        except stacks.StacksError as error:
+        except StacksError as error:
             print(f"fanrun: {error}", file=sys.stderr)
             return 2
         return 0

@@ -190,6 +190,11 @@ class DataFileError(OSError, FanrunError):
     """A file of a dataset could not be read, nor fetched, after every retry."""
 
 
+class StacksError(RuntimeError, FanrunError):
+    """fanrun.stacks() or `fanrun stacks` cannot reach the ranks: no such run, a run that has
+    ended, one on another host, or no call running in this process."""
+
+
 class TableError(ValueError, FanrunError):
     """A table cannot be read as asked: a file its log names is missing, a file is not Parquet,
     a column or a version does not exist. The message names the table and the file."""

@@ -135,7 +135,7 @@ class TimeoutReport:
         stacks, missing = {}, {}
         for rank in running:
             lines = self._captured.get(rank, [])
-            if any(_STACK_HEADER in line for line in lines):
+            if any(STACK_HEADER in line for line in lines):
                 stacks[rank] = lines
             elif not self._python:
                 missing[rank] = "a native program has no Python stack to dump"
@@ -148,7 +148,7 @@ class TimeoutReport:
 
 
 # What faulthandler writes above every thread's stack.
-_STACK_HEADER = "(most recent call first)"
+STACK_HEADER = "(most recent call first)"
 
 
 

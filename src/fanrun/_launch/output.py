@@ -133,4 +133,3 @@ class OutputMux:
 
     def _unique_views(self) -> list[View]:
         return list({id(view): view for view in self._views.values()}.values())
-

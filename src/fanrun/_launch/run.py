@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Mapping
 
 from .. import _core, backends
+from .._errors import RemoteTraceback
 from .._rank import contract
 from .._accelerators import Plan
 from ..backends.base import Launch, Ranks
@@ -168,5 +169,5 @@ def _where(plan) -> list[str]:
 def _last_lines(error: BaseException) -> list[str]:
     """What the panel shows of a failure: the end of the rank's traceback, or the message."""
     cause = error.__cause__
-    text = str(cause) if cause is not None and type(cause).__name__ == "RemoteTraceback" else str(error)
+    text = str(cause) if isinstance(cause, RemoteTraceback) else str(error)
     return text.strip().splitlines()

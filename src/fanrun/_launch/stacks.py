@@ -12,21 +12,17 @@ import socket
 import time
 from pathlib import Path
 
-from .._errors import FanrunError
+from .._errors import StacksError
 from .._rank.worker import STACK_DUMP_SIGNAL
 from . import running_calls
 from .file_changes import FileChanges
+from .outcome import STACK_HEADER
 from .paths import open_runs_root, rank_log
 
 # How long the ranks get to write their stacks, and how long a dump may pause between lines
 # before it counts as done.
 WAIT_S = 5.0
 QUIET_S = 0.3
-_HEADER = "(most recent call first)"
-
-
-class StacksError(FanrunError, RuntimeError):
-    """The stacks cannot be had: no such run, a run that has ended, or one on another host."""
 
 
 class Stacks:
@@ -100,12 +96,12 @@ def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str
                     texts[rank] += more.decode("utf-8", "replace")
                     last_growth = time.monotonic()
             now = time.monotonic()
-            every_header = all(_HEADER in texts[rank] for rank in signalled)
+            every_header = all(STACK_HEADER in texts[rank] for rank in signalled)
             if now >= deadline or (every_header and now - last_growth >= QUIET_S):
                 break
             changes.wait(min(deadline - now, QUIET_S) if every_header else deadline - now)
     for rank in signalled:
-        out[rank] = texts[rank] if _HEADER in texts[rank] else \
+        out[rank] = texts[rank] if STACK_HEADER in texts[rank] else \
             f"(no stack within {WAIT_S:g} s of {STACK_DUMP_SIGNAL.name}: the rank blocks or ignores it)\n{texts[rank]}"
     return out
 
