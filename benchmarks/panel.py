@@ -6,6 +6,8 @@ caller's CPU time over the call's wall time (its share of one core), and the ran
 steps per second. The panel's own cost is its CPU share less quiet's (no display at all).
 
     python benchmarks/panel.py              # 2 ranks, 3 rounds
+    python benchmarks/panel.py --ranks 1 --accelerator GPU
+    python benchmarks/panel.py --where notebook
     python benchmarks/panel.py --smoke
 """
 
@@ -33,17 +35,20 @@ CALLER = textwrap.dedent(
     from fanrun import distributed
 
     displays, ranks, steps, rounds, out = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    accelerator = sys.argv[6]
 
-    def train(steps):
+    def train(steps, accelerator):
         import time
         import mlflow
         import torch
         from tqdm import tqdm
 
         torch.set_num_threads(1)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        # On a GPU a wider model, so that a step is the GPU's work and not the launch of its kernels.
+        device, width = ("cuda", 4096) if accelerator == "GPU" else ("cpu", 256)
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(64, 256), torch.randn(64, 1)
+        x, y = torch.randn(64, width, device=device), torch.randn(64, 1, device=device)
         started = time.perf_counter()
         for step in tqdm(range(steps), desc="train"):
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -55,9 +60,9 @@ CALLER = textwrap.dedent(
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
         return steps / (time.perf_counter() - started)
 
-    calls = {d: distributed(num_accelerators=ranks, accelerator_type="CPU", tracking=False, display=d)(train)
+    calls = {d: distributed(num_accelerators=ranks, accelerator_type=accelerator, tracking=False, display=d)(train)
              for d in displays}
-    calls["quiet"].distributed(10)  # imports and caches warm: what is measured is the display
+    calls["quiet"].distributed(10, accelerator)  # imports and caches warm: what is measured is the display
     results = {d: [] for d in displays}
     for round in range(rounds):
         # Each round in another order, so that each display takes each place: the first call of
@@ -65,7 +70,7 @@ CALLER = textwrap.dedent(
         for display in displays[round % len(displays):] + displays[:round % len(displays)]:
             call = calls[display]
             before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            rates = call.distributed(steps)
+            rates = call.distributed(steps, accelerator)
             after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             results[display].append({"cpu_s": cpu, "wall_s": wall, "steps_per_s": statistics.mean(rates)})
@@ -99,11 +104,32 @@ def in_terminal(args: list[str]) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def in_notebook(args: list[str]) -> int:
+    """Runs the caller script `args[1]` with `args[1:]` for its argv in a Jupyter kernel, through
+    nbclient: the kernel is then the caller, and its CPU counts the panel's HTML and plot, and the
+    messages that carry them to the notebook. Returns 0, or 1 when the cell raised."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    cell = f"import sys\nsys.argv = {args[1:]!r}\nexec(compile(open(sys.argv[0]).read(), sys.argv[0], 'exec'))"
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    try:
+        NotebookClient(notebook, timeout=3600, kernel_name="python3").execute()
+    except CellExecutionError as error:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--accelerator", choices=("CPU", "GPU"), default="CPU", help="what each rank trains on")
+    parser.add_argument("--where", choices=("terminal", "notebook"), default="terminal",
+                        help="the caller in a pseudo-terminal, or in a Jupyter kernel")
     parser.add_argument("--smoke", action="store_true", help="tiny: 200 steps, one round")
     options = parser.parse_args()
     if options.smoke:
@@ -112,13 +138,14 @@ def main() -> None:
         script, out = Path(folder) / "caller.py", Path(folder) / "results.json"
         script.write_text(CALLER)
         # One caller for every display: one interpreter start, one warm-up.
-        code = in_terminal([sys.executable, str(script), ",".join(DISPLAYS), str(options.ranks), str(options.steps),
-                            str(options.rounds), str(out)])
+        run = in_notebook if options.where == "notebook" else in_terminal
+        code = run([sys.executable, str(script), ",".join(DISPLAYS), str(options.ranks), str(options.steps),
+                            str(options.rounds), str(out), options.accelerator])
         if code != 0:
             raise SystemExit(f"the caller exited with {code}")
         results = json.loads(out.read_text())
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-          f"{options.ranks} ranks x {options.steps} steps, {options.rounds} round(s), medians")
+          f"caller in a {options.where}; {options.ranks} {options.accelerator} ranks x {options.steps} steps, {options.rounds} round(s), medians")
     print("| display | caller CPU share of one core | steps/s per rank | vs quiet |")
     print("| --- | ---: | ---: | ---: |")
     share = {d: statistics.median(r["cpu_s"] / r["wall_s"] for r in results[d]) for d in DISPLAYS}

@@ -21,7 +21,9 @@ from test_live_output import rendered, run_in_terminal
 
 from fanrun._launch import progress_text
 from fanrun._launch.panel import Panel
+from fanrun._launch.panel_metrics import MetricFiles
 from fanrun._launch.panel_render import html_panel, text_rows
+from fanrun._launch.panel_view import PanelView
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +78,44 @@ def test_a_failed_rank_row_holds_its_traceback_and_markup_is_escaped():
     assert "&lt;b&gt;step&lt;/b&gt; 3" in page and "ValueError: bad &lt;batch&gt;" in page and "<b>" not in page
     assert 'data-rank="1" data-state="failed"' in page
     assert text_rows(panel, now=2.0)[-1] == "    ValueError: bad <batch>"
+
+
+def test_a_running_panel_shows_the_latest_lines_and_an_ended_one_every_kept_line_collapsed():
+    panel = Panel(1, ["CPU"], started_at=0.0, stall_warning=None)
+    panel.started(0.0)
+    for step in range(600):
+        panel.line(0, f"step {step}", now=1.0)
+    running = html_panel(panel, now=2.0)
+    assert "<details" not in running  # redrawn twice a second, it would close under the reader
+    assert running.count("[rank0]: step") == 6 and "[rank0]: step 594" in running and "[rank0]: step 599" in running
+    panel.finish(True)
+    ended = html_panel(panel, now=3.0)
+    assert "fanrun-tail" not in ended and "Logs (last 500 of 600 lines)" in ended
+    assert ended.count("[rank0]: step") == 500 and "[rank0]: step 100\n" in ended
+
+
+def test_a_notebook_panel_with_points_to_plot_draws_twice_a_second_and_plots_once_a_second(tmp_path):
+    """The engine waits as long as due_in says: a view always due would spin the caller's loop."""
+    view = PanelView(Panel(1, ["CPU"], started_at=0.0, stall_warning=None), "notebook", metrics=MetricFiles(tmp_path, 1))
+    drawn, plotted = [], []
+    view._draw_in_cell = drawn.append  # the cell's display: what would be sent, counted
+    plot_draw = view._plot.draw
+    view._plot.draw = lambda series, now: (plotted.append(now), plot_draw(series, now))
+    view.started(0.0)
+    now, waits = 0.0, 0
+    with open(tmp_path / "rank_0.metrics.tsv", "a") as feed:
+        while now < 30.0:
+            feed.write(f"loss\t{int(now * 100)}\t{1 / (1 + now)}\n")
+            feed.flush()
+            view.line((0, 1), f"step {now}", "", now)
+            view.redraw(now)
+            wait = view.due_in(now)
+            waits += wait == 0
+            now += 0.02
+    assert waits == 0
+    assert 58 <= len(drawn) <= 61, drawn
+    assert 3 <= len(plotted) <= 30, plotted
+    assert view.panel.rows[0].metrics["loss"] < 0.2
 
 
 PANEL_CALL = """

@@ -124,7 +124,7 @@ class OutputMux:
         now = time.monotonic()
         for view in self._unique_views():
             view.redraw(now)
-        flush_streams()
+        flush_streams(written_only=True)
 
     def close(self) -> None:
         for view in self._unique_views():

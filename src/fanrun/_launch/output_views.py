@@ -90,6 +90,18 @@ def _stream(number: int) -> TextIO:
     return sys.stdout if number == 1 else sys.stderr
 
 
+# The caller's streams fanrun wrote on since they were last flushed. A flush of a Jupyter stream
+# is a round trip to the kernel's IOPub thread: flushing both after every batch of the ranks'
+# output cost the caller more than the panel itself.
+_written: set[int] = set()
+
+
+def out(number: int) -> TextIO:
+    """The caller's stream `number`, to write on: flush_streams(written_only=True) flushes it."""
+    _written.add(number)
+    return _stream(number)
+
+
 def _kind(stream: TextIO) -> str:
     if type(stream).__module__.startswith("ipykernel."):
         return "notebook"
@@ -109,8 +121,15 @@ def _same_destination(one: TextIO, other: TextIO) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def flush_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
+def flush_streams(written_only: bool = False) -> None:
+    """Flushes the caller's stdout and stderr; written_only: those fanrun wrote on since, and not
+    a Jupyter cell's, which sends what it was given within its own flush interval."""
+    numbers = sorted(_written) if written_only else (1, 2)
+    _written.clear()
+    for number in numbers:
+        stream = _stream(number)
+        if written_only and _kind(stream) == "notebook":
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):
@@ -131,11 +150,11 @@ class _StreamLines:
 
     def end_open(self) -> None:
         if self._open is not None:
-            _stream(self._open[0][1]).write("\n")
+            out(self._open[0][1]).write("\n")
             self._open = None
 
     def line(self, key: Key, whole: str, rest: str) -> None:
-        stream = _stream(key[1])
+        stream = out(key[1])
         if self._open == (key, "partial"):
             stream.write(rest + "\n")
         elif self._open == (key, "bar"):
@@ -147,19 +166,19 @@ class _StreamLines:
 
     def partial(self, key: Key, piece: str, whole: str) -> None:
         if self._open == (key, "partial"):
-            _stream(key[1]).write(piece)
+            out(key[1]).write(piece)
             return
         self.end_open()
-        _stream(key[1]).write(self._labels[key[0]] + whole)
+        out(key[1]).write(self._labels[key[0]] + whole)
         self._open = (key, "partial")
 
     def bar(self, key: Key, text: str) -> None:
         if self._open == (key, "bar"):
-            _stream(key[1]).write("\r" + self._bar_text(key, text))
+            out(key[1]).write("\r" + self._bar_text(key, text))
             return
         self.end_open()
         self._open_width = 0
-        _stream(key[1]).write(self._bar_text(key, text))
+        out(key[1]).write(self._bar_text(key, text))
         self._open = (key, "bar")
 
     def _bar_text(self, key: Key, text: str) -> str:
@@ -244,7 +263,7 @@ class TerminalView:
     def line(self, key: Key, whole: str, rest: str, now: float) -> None:
         last = self._live.pop(key, "")
         self._erase()
-        _stream(key[1]).write(self._labels[key[0]] + (whole or last) + "\n")
+        out(key[1]).write(self._labels[key[0]] + (whole or last) + "\n")
         self._dirty = bool(self._live)
 
     def partial(self, key: Key, piece: str, whole: str, now: float) -> None:
@@ -272,20 +291,20 @@ class TerminalView:
     def close(self) -> None:
         self._erase()
         for key, text in sorted(self._live.items()):  # what never ended stays, as it stood
-            _stream(key[1]).write(self._labels[key[0]] + text + "\n")
+            out(key[1]).write(self._labels[key[0]] + text + "\n")
         self._live.clear()
         self._dirty = False
 
     def _draw(self, now: float) -> None:
         flush_streams()  # the lines written since the last draw go above the block
         lines = [self._labels[key[0]] + text for key, text in sorted(self._live.items())]
-        self._rows = draw_block(_stream(self._block_stream), lines, self._rows)
+        self._rows = draw_block(out(self._block_stream), lines, self._rows)
         self._dirty = False
         self._drawn_at = now
 
     def _erase(self) -> None:
         if self._rows:
-            block = _stream(self._block_stream)
+            block = out(self._block_stream)
             block.write(block_home(self._rows) + "\x1b[J")
             block.flush()
             self._rows = 0

@@ -42,6 +42,7 @@ class Panel:
         self.logs: collections.deque[tuple[int, str]] = collections.deque(maxlen=LOG_LINES)
         self.lines_seen = 0
         self.plot_png: str | None = None  # base64: the ranks' metrics plotted (panel_plot.py)
+        self.ended = False
 
     # ------------------------------------------------------------ what the ranks show
 
@@ -93,6 +94,7 @@ class Panel:
         """At the call's end: the root cause's row gets its traceback; ranks still shown as
         running were done, or stopped with a call that did not end well."""
         self.run_hint = self._ended_hint
+        self.ended = True
         if failed_rank is not None and 0 <= failed_rank < len(self.rows):
             self.failed(failed_rank, list(traceback))
         for row in self.rows:

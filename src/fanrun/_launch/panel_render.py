@@ -10,6 +10,8 @@ from .panel import Panel, RankRow
 from .progress_text import format_rate, format_seconds
 
 BAR_CELLS = 20
+# The latest lines of the whole call shown under a running panel.
+TAIL_LINES = 6
 _STATE_COLOURS = {"starting": "#777", "running": "#1565c0", "done": "#2e7d32", "failed": "#c62828", "stopped": "#777"}
 
 
@@ -94,16 +96,27 @@ def html_panel(panel: Panel, now: float) -> str:
     head = "".join(f'<th style="{cells}">{name}</th>'
                    for name in ("rank", "where", "state", "progress", "", "last line"))
     body = "".join(_html_row(panel, rank, row, now, stragglers, cells) for rank, row in enumerate(panel.rows))
-    logs = "\n".join(f"[rank{rank}]: {text}" for rank, text in panel.logs)
-    shown = f"last {len(panel.logs)} of {panel.lines_seen} lines" if panel.lines_seen > len(panel.logs) else \
-        f"{panel.lines_seen} lines"
     hint = f'<div style="color:#666;margin-top:4px">{html.escape(panel.run_hint)}</div>' if panel.run_hint else ""
     plot = (f'<img class="fanrun-plot" alt="the metrics the ranks logged, by step" '
             f'src="data:image/png;base64,{panel.plot_png}">' if panel.plot_png else "")
     return (f'<div class="fanrun-panel" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
             f'<table style="border-collapse:collapse"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-            f'{plot}{hint}<details class="fanrun-logs"><summary>Logs ({shown})</summary>'
-            f'<pre style="max-height:30em;overflow:auto">{html.escape(logs)}</pre></details></div>')
+            f'{plot}{hint}{_html_logs(panel)}</div>')
+
+
+def _html_logs(panel: Panel) -> str:
+    """While ranks run, the latest lines, always shown: the panel is drawn anew twice a second, and
+    a collapsed block would snap shut under the reader each time. Once the call ended, the panel is
+    drawn no more, so the kept lines go into a block the reader opens."""
+    if not panel.ended:
+        tail = list(panel.logs)[-TAIL_LINES:]
+        return (f'<pre class="fanrun-tail" style="margin:4px 0;color:#444">'
+                f'{html.escape(chr(10).join(f"[rank{rank}]: {text}" for rank, text in tail))}</pre>' if tail else "")
+    logs = "\n".join(f"[rank{rank}]: {text}" for rank, text in panel.logs)
+    shown = f"last {len(panel.logs)} of {panel.lines_seen} lines" if panel.lines_seen > len(panel.logs) else \
+        f"{panel.lines_seen} lines"
+    return (f'<details class="fanrun-logs"><summary>Logs ({shown})</summary>'
+            f'<pre style="max-height:30em;overflow:auto">{html.escape(logs)}</pre></details>')
 
 
 def _html_row(panel: Panel, rank: int, row: RankRow, now: float, stragglers: set[int], cells: str) -> str:

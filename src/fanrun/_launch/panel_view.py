@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .output_views import Key, _stream, block_home, draw_block, flush_streams
+from .output_views import Key, block_home, draw_block, flush_streams, out
 from .panel import Panel
 from .panel_metrics import MetricFiles
 from .panel_plot import MetricPlot
@@ -27,7 +27,7 @@ class PanelView:
         self._metrics = metrics
         self._gpu_sample = gpu_sample  # () -> [(utilisation %, memory MB)] in rank order
         self._metrics_read_at = -math.inf
-        self._plot = MetricPlot() if surface == "notebook" else None  # a terminal shows the last values
+        self._plot = MetricPlot(len(panel.rows)) if surface == "notebook" else None  # a terminal shows the last values
         self._plot_stale = False  # points read since the plot was drawn
         self._surface = surface  # "notebook" or "terminal"
         self._block_stream = block_stream  # a terminal's stream the block is drawn on
@@ -70,6 +70,8 @@ class PanelView:
     def redraw(self, now: float) -> None:
         if self._samples() and now >= self._metrics_read_at + METRICS_EVERY_S:
             self._read_metrics(now)
+        if self._plot_stale and self._plot.due_in(now) == 0:
+            self._draw_plot(now)
         due = self.due_in(now)
         if due is not None and due == 0:
             self._draw(now)
@@ -97,10 +99,12 @@ class PanelView:
         if logged:
             self._dirty = True
             self._plot_stale = self._plot is not None
-        if self._plot_stale and self._plot.due_in(now) == 0:
-            self._plot.draw(self._metrics.series, now)
-            self.panel.plot_png = self._plot.png
-            self._plot_stale = False
+
+    def _draw_plot(self, now: float) -> None:
+        self._plot.draw(self._metrics.series, now)
+        self.panel.plot_png = self._plot.png
+        self._plot_stale = False
+        self._dirty = True
 
     def close(self) -> None:
         pass  # finish() draws the last state, once the call's outcome is known
@@ -121,14 +125,14 @@ class PanelView:
         self._finished = True
         if self._samples():
             self._metrics_read_at = -math.inf
-            if self._plot is not None:
-                self._plot = MetricPlot()  # the last points, drawn whatever the last drawing cost
             self._read_metrics(now)
+            if self._plot_stale:
+                self._draw_plot(now)  # the last points, whatever the plot's cadence
         self.panel.finish(ended_well, failed_rank, failure)
         if self._surface == "terminal":
             # Written over the block, each row whole, what is left below it erased: erasing the
             # whole block first would clear the screen from its top, which tmux keeps in its history.
-            stream = _stream(self._block_stream)
+            stream = out(self._block_stream)
             rows = text_rows(self.panel, now, colour=True)
             stream.write(block_home(self._rows) + "".join(row + "\x1b[K\n" for row in rows) + "\x1b[J")
             stream.flush()
@@ -161,7 +165,7 @@ class PanelView:
             self._handle.update(self._bundle(now), raw=True)
 
     def _draw_in_terminal(self, now: float) -> None:
-        self._rows = draw_block(_stream(self._block_stream), text_rows(self.panel, now, colour=True), self._rows)
+        self._rows = draw_block(out(self._block_stream), text_rows(self.panel, now, colour=True), self._rows)
 
 
 class QuietView:

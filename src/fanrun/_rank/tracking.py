@@ -185,13 +185,14 @@ def _activate(mlflow, run_id: str, channel: socket.socket) -> None:
 
 
 # What flush_metrics() sends: the senders this process made, one per call its function imported mlflow in.
-_failure_flushes: list = []
+_pending_flushes: list = []
 
 
 def flush_metrics() -> None:
-    """Sends the metrics still gathering, at once: a failing rank's, before it tells the engine,
-    which then stops every rank; what it logged up to its failure is what shows why."""
-    for flush in _failure_flushes:
+    """Sends the metrics still gathering, at once, before the rank reports its result or its
+    failure: a failing rank's engine then stops every rank, and what it logged up to its failure
+    is what shows why; the panel shows the last points of either."""
+    for flush in _pending_flushes:
         try:
             flush()
         except OSError:
@@ -209,7 +210,7 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) ->
     buffer_s = float(os.environ.get("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS") or DEFAULT_BUFFER_S)
     sender = sender_class(channel, buffer_s)
     _before_thread_shutdown(sender.close)
-    _failure_flushes.append(sender.flush)
+    _pending_flushes.append(sender.flush)
 
     feed = _panel_feed()
 
@@ -228,7 +229,10 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) ->
 
 def _panel_feed():
     """panel_feed.py's feed for this rank, or None where the caller's panel plots nothing."""
-    return runpy.run_path(os.path.join(os.path.dirname(__file__), "panel_feed.py"))["make_feed"]()
+    feed = runpy.run_path(os.path.join(os.path.dirname(__file__), "panel_feed.py"))["make_feed"]()
+    if feed is not None:
+        _pending_flushes.append(feed.flush)
+    return feed
 
 
 def _route_store(call_run_id: str, send) -> None:

@@ -45,7 +45,8 @@ _DONE = f"{_contract.CONTROL_DONE}\n".encode()
 _exit_status = 1
 # Whether the exit handler and the stack dumps are set up: once per process, kept or not.
 _handlers_installed = False
-# Sends the metrics this rank logged and has not sent yet (tracking.py), before it reports a failure.
+# Sends the metrics this rank logged and has not sent yet (tracking.py), before it reports its
+# result or its failure.
 _flush_metrics = None
 
 
@@ -134,6 +135,8 @@ def _run_function(run_dir: Path, rank: int) -> None:
         result = None
     except BaseException as error:
         _fail(run_dir, rank, "exception", error)
+    if _flush_metrics is not None:
+        _flush_metrics()
     _send_result(run_dir, rank, result)
 
 
@@ -193,6 +196,8 @@ def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: i
             _fail(run_dir, rank, "exit", error)
     except BaseException as error:
         _fail(run_dir, rank, "exception", error)
+    if _flush_metrics is not None:
+        _flush_metrics()
 
 
 def _send_result(run_dir: Path, rank: int, result: object) -> None:
