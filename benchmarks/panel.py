@@ -60,9 +60,12 @@ CALLER = textwrap.dedent(
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
         return steps / (time.perf_counter() - started)
 
-    calls = {d: distributed(num_accelerators=ranks, accelerator_type=accelerator, tracking=False, display=d)(train)
+    # accelerator_type=None: the machine's GPUs.
+    kind = None if accelerator == "GPU" else "CPU"
+    calls = {d: distributed(num_accelerators=ranks, accelerator_type=kind, tracking=False, display=d)(train)
              for d in displays}
-    calls["quiet"].distributed(10, accelerator)  # imports and caches warm: what is measured is the display
+    for call in calls.values():
+        call.distributed(10, accelerator)  # imports and caches warm: what is measured is the display
     results = {d: [] for d in displays}
     for round in range(rounds):
         # Each round in another order, so that each display takes each place: the first call of
@@ -92,16 +95,22 @@ def in_terminal(args: list[str]) -> int:
         os.environ["TERM"] = "xterm"
         os.execv(args[0], args)
     fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 150, 0, 0))
+    screen = bytearray()  # its last 20 kB, shown if it fails
     while True:
         select.select([master], [], [])
         try:
-            if not os.read(master, 65536):
-                break
+            data = os.read(master, 65536)
         except OSError:  # EIO: the child closed its side
             break
+        if not data:
+            break
+        screen = (screen + data)[-20000:]
     _, status = os.waitpid(pid, 0)
     os.close(master)
-    return os.waitstatus_to_exitcode(status)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        print(screen.decode(errors="replace")[-3000:], file=sys.stderr)
+    return code
 
 
 def in_notebook(args: list[str]) -> int:

@@ -86,7 +86,7 @@ def test_a_running_panel_shows_the_latest_lines_and_an_ended_one_every_kept_line
     for step in range(600):
         panel.line(0, f"step {step}", now=1.0)
     running = html_panel(panel, now=2.0)
-    assert "<details" not in running  # redrawn twice a second, it would close under the reader
+    assert "<details" not in running  # redrawn every second, it would close under the reader
     assert running.count("[rank0]: step") == 6 and "[rank0]: step 594" in running and "[rank0]: step 599" in running
     panel.finish(True)
     ended = html_panel(panel, now=3.0)
@@ -94,7 +94,7 @@ def test_a_running_panel_shows_the_latest_lines_and_an_ended_one_every_kept_line
     assert ended.count("[rank0]: step") == 500 and "[rank0]: step 100\n" in ended
 
 
-def test_a_notebook_panel_with_points_to_plot_draws_twice_a_second_and_plots_once_a_second(tmp_path):
+def test_a_notebook_panel_with_points_to_plot_draws_once_a_second_and_plots_no_more_often(tmp_path):
     """The engine waits as long as due_in says: a view always due would spin the caller's loop."""
     view = PanelView(Panel(1, ["CPU"], started_at=0.0, stall_warning=None), "notebook", metrics=MetricFiles(tmp_path, 1))
     drawn, plotted = [], []
@@ -113,7 +113,7 @@ def test_a_notebook_panel_with_points_to_plot_draws_twice_a_second_and_plots_onc
             waits += wait == 0
             now += 0.02
     assert waits == 0
-    assert 58 <= len(drawn) <= 61, drawn
+    assert 29 <= len(drawn) <= 31, drawn
     assert 3 <= len(plotted) <= 30, plotted
     assert view.panel.rows[0].metrics["loss"] < 0.2
 

@@ -16,12 +16,16 @@ COST_FRACTION = 0.003
 
 
 class MetricPlot:
+    # What a drawing cost in this process, last time: a new call's plot keeps the cadence of the
+    # last one's from its start, and not from its second drawing.
+    _last_cost_s = 0.0
+
     def __init__(self, ranks: int) -> None:
         # A line for each rank from the start: a figure built again costs a first drawing again.
         self._ranks = ranks
         self.png: str | None = None  # base64 of the last drawing
         self._drawn_at = -float("inf")
-        self._cost_s = 0.0
+        self._cost_s = MetricPlot._last_cost_s
         self._available = True
         self._figure = None
         self._lines: dict[tuple[str, int], object] = {}  # (metric, rank) -> its Line2D
@@ -55,7 +59,7 @@ class MetricPlot:
             # What a drawing costs sets the cadence. A new figure's first drawing, which lays out
             # its text for the first time, costs several times more: counted, it would hold the
             # plot back for a minute after the first points.
-            self._cost_s = time.process_time() - started
+            self._cost_s = MetricPlot._last_cost_s = time.process_time() - started
         self._drawn_at = now
 
     def _build(self, series: dict[str, dict[int, tuple]]) -> None:

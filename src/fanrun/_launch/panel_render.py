@@ -105,7 +105,7 @@ def html_panel(panel: Panel, now: float) -> str:
 
 
 def _html_logs(panel: Panel) -> str:
-    """While ranks run, the latest lines, always shown: the panel is drawn anew twice a second, and
+    """While ranks run, the latest lines, always shown: the panel is drawn anew every second, and
     a collapsed block would snap shut under the reader each time. Once the call ended, the panel is
     drawn no more, so the kept lines go into a block the reader opens."""
     if not panel.ended:

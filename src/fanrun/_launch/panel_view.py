@@ -14,8 +14,9 @@ from .panel_metrics import MetricFiles
 from .panel_plot import MetricPlot
 from .panel_render import html_panel, text_rows
 
-# At most this often: the panel costs the caller little however fast the ranks print.
-REDRAW_EVERY_S = 0.5
+# At most this often, however fast the ranks print. A notebook's panel is sent as a message and
+# rendered anew by the browser each time: once a second there, twice in a terminal.
+REDRAW_EVERY_S = {"terminal": 0.5, "notebook": 1.0}
 # The ranks' metric files are read this often while ranks run.
 METRICS_EVERY_S = 1.0
 
@@ -30,6 +31,7 @@ class PanelView:
         self._plot = MetricPlot(len(panel.rows)) if surface == "notebook" else None  # a terminal shows the last values
         self._plot_stale = False  # points read since the plot was drawn
         self._surface = surface  # "notebook" or "terminal"
+        self._redraw_every = REDRAW_EVERY_S[surface]
         self._block_stream = block_stream  # a terminal's stream the block is drawn on
         self._dirty = True
         self._drawn_at = -math.inf
@@ -54,10 +56,10 @@ class PanelView:
     def due_in(self, now: float) -> float | None:
         waits = []
         if self._dirty:
-            waits.append(max(0.0, self._drawn_at + REDRAW_EVERY_S - now))
+            waits.append(max(0.0, self._drawn_at + self._redraw_every - now))
         stall = self.panel.next_stall_in(now)
         if stall is not None:
-            waits.append(max(stall, self._drawn_at + REDRAW_EVERY_S - now, 0.0))
+            waits.append(max(stall, self._drawn_at + self._redraw_every - now, 0.0))
         # A stalled rank's "no progress for N min" grows: redrawn each minute.
         if any(self.panel.stalled_for(rank, now) is not None for rank in range(len(self.panel.rows))):
             waits.append(max(0.0, self._drawn_at + 60.0 - now))
