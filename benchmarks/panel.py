@@ -1,9 +1,9 @@
 """Benchmark: what the live panel costs. Each rank trains a small model for a fixed number of
-steps, with a tqdm bar, a printed line every 50 steps and mlflow.log_metric every step; the call
-runs in a pseudo-terminal with display="panel", "logs" and "quiet", from one caller, each
-round in a rotated order. For each: the
-caller's CPU time over the call's wall time (its share of one core), and the ranks' training
-steps per second. The panel's own cost is its CPU share less quiet's (no display at all).
+steps, with a tqdm bar, a printed line every 50 steps and mlflow.log_metric every step; one
+caller, in a pseudo-terminal or in a Jupyter kernel, makes the call with display="panel",
+"logs" and "quiet", each round in a rotated order. For each: the caller's CPU time over the
+call's wall time (its share of one core), and the ranks' training steps per second. The panel's
+own cost is its CPU share less quiet's (no display at all).
 
     python benchmarks/panel.py              # 2 ranks, 3 rounds
     python benchmarks/panel.py --ranks 1 --accelerator GPU

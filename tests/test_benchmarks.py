@@ -74,6 +74,14 @@ def test_benchmark_smoke_run_prints_its_report(script, tmp_path):
         assert text in done.stdout, f"{script} --smoke did not print {text!r}:\n{done.stdout[-3000:]}"
 
 
+@pytest.mark.slow
+def test_panel_benchmark_smoke_run_with_its_caller_in_a_notebook(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "panel.py"), "--smoke", "--where", "notebook"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "caller in a notebook" in done.stdout and "| panel |" in done.stdout, done.stdout[-3000:]
+
+
 def gpu_session_steps() -> list[tuple[str, list[str]]]:
     parts = ["checks", "examples", "gpu-tests", "notebooks", "throughput", "launch", "tracking",
              "checkpoint-tests", "checkpoint", "results"]
