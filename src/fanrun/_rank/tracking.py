@@ -184,7 +184,8 @@ def _activate(mlflow, run_id: str, channel: socket.socket) -> None:
         _say(f"logs its metrics straight to the tracking store ({type(error).__name__}: {error})")
 
 
-# What flush_metrics() sends: the senders this process made, one per call its function imported mlflow in.
+# What flush_metrics() sends: the senders and the panel's feeds this process made, one per call its
+# function imported mlflow in.
 _pending_flushes: list = []
 
 
