@@ -149,12 +149,13 @@ def main() -> None:
         # One caller for every display: one interpreter start, one warm-up.
         run = in_notebook if options.where == "notebook" else in_terminal
         code = run([sys.executable, str(script), ",".join(DISPLAYS), str(options.ranks), str(options.steps),
-                            str(options.rounds), str(out), options.accelerator])
+                    str(options.rounds), str(out), options.accelerator])
         if code != 0:
             raise SystemExit(f"the caller exited with {code}")
         results = json.loads(out.read_text())
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-          f"caller in a {options.where}; {options.ranks} {options.accelerator} ranks x {options.steps} steps, {options.rounds} round(s), medians")
+          f"caller in a {options.where}; {options.ranks} {options.accelerator} ranks x {options.steps} steps, "
+          f"{options.rounds} round(s), medians")
     print("| display | caller CPU share of one core | steps/s per rank | vs quiet |")
     print("| --- | ---: | ---: | ---: |")
     share = {d: statistics.median(r["cpu_s"] / r["wall_s"] for r in results[d]) for d in DISPLAYS}
