@@ -126,7 +126,6 @@ class PanelView:
             return
         self._finished = True
         if self._samples():
-            self._metrics_read_at = -math.inf
             self._read_metrics(now)
             if self._plot_stale:
                 self._draw_plot(now)  # the last points, whatever the plot's cadence

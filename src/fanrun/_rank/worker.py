@@ -135,8 +135,7 @@ def _run_function(run_dir: Path, rank: int) -> None:
         result = None
     except BaseException as error:
         _fail(run_dir, rank, "exception", error)
-    if _flush_metrics is not None:
-        _flush_metrics()
+    _send_pending_metrics()
     _send_result(run_dir, rank, result)
 
 
@@ -196,6 +195,11 @@ def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: i
             _fail(run_dir, rank, "exit", error)
     except BaseException as error:
         _fail(run_dir, rank, "exception", error)
+    _send_pending_metrics()
+
+
+def _send_pending_metrics() -> None:
+    """What the rank logged and has not sent yet, sent before it reports its result or failure."""
     if _flush_metrics is not None:
         _flush_metrics()
 
@@ -249,8 +253,7 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as out:
         pickle.dump(envelope, out, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(tmp, path)
-    if _flush_metrics is not None:
-        _flush_metrics()
+    _send_pending_metrics()
     _tell_engine(_FAILED)
     code = envelope["exit_code"] if isinstance(envelope["exit_code"], int) else 1
     _exit_status = code or 1
