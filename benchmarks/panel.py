@@ -77,6 +77,8 @@ CALLER = textwrap.dedent(
             after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             results[display].append({"cpu_s": cpu, "wall_s": wall, "steps_per_s": statistics.mean(rates)})
+            # On the process's own stderr, which a notebook's kernel shares with whoever started it.
+            print(f"round {round + 1}, {display}: {wall:.1f} s", file=sys.__stderr__, flush=True)
     with open(out, "w") as file:
         json.dump(results, file)
     """

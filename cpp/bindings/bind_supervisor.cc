@@ -83,8 +83,8 @@ std::unique_ptr<Supervisor> StartSupervisor(const std::vector<std::vector<std::s
   return ValueOrThrow(Supervisor::Start(std::move(options), std::move(taken)));
 }
 
-WaitTuple Wait(Supervisor& supervisor, double max_wait_s) {
-  const WaitResult batch = CallWithoutGil([&] { return supervisor.Wait(max_wait_s); });
+WaitTuple Wait(Supervisor& supervisor, double max_wait_s, double gather_s) {
+  const WaitResult batch = CallWithoutGil([&] { return supervisor.Wait(max_wait_s, gather_s); });
   std::vector<EventTuple> events;
   events.reserve(batch.events.size());
   for (const Event& event : batch.events) {
@@ -144,10 +144,11 @@ void BindSupervisor(nb::module_& m) {
                   nb::arg("control_channel"), nb::arg("expect_done"), nb::arg("keeper"),
                   nb::arg("spares") = std::vector<PySpareRank*>{},
                   "Rank i < len(spares) is spares[i], handed its call; each spare is spent, whatever happens.")
-      .def("wait", &Wait, nb::arg("max_wait_s") = -1.0,
+      .def("wait", &Wait, nb::arg("max_wait_s") = -1.0, nb::arg("gather_s") = 0.0,
            "(events, interrupted, done); an event is (kind, rank, stream, segment, text, (exit code, signal)),\n"
            "stream 1 for stdout and 2 for stderr. With max_wait_s >= 0 it returns after that long at the\n"
-           "latest, even with no events.")
+           "latest, even with no events. Output is gathered for gather_s after its first piece, any\n"
+           "other event reported at once.")
       .def("cancel", &Supervisor::Cancel)
       .def(
           "release_kept",

@@ -354,10 +354,19 @@ int Supervisor::MillisecondsToNextDeadline(Clock::time_point now, std::optional<
   return static_cast<int>(std::clamp<long long>(ms, 0, 1 << 30));
 }
 
-Result<WaitResult> Supervisor::Wait(double max_wait_s) {
+Result<WaitResult> Supervisor::Wait(double max_wait_s, double gather_s) {
   WaitResult result;
   std::optional<Clock::time_point> return_at;
   if (max_wait_s >= 0) return_at = Clock::now() + Seconds(std::min(max_wait_s, kLongestPeriodS));
+  std::optional<Clock::time_point> gathered_until;  // set by the first piece of output
+  size_t seen = 0;  // events already looked at
+  auto report_now = [&](Clock::time_point now) {
+    for (; seen < result.events.size(); ++seen) {
+      if (result.events[seen].kind != EventKind::kOutput) return true;
+      if (!gathered_until) gathered_until = now + Seconds(std::min(std::max(gather_s, 0.0), kLongestPeriodS));
+    }
+    return gathered_until && now >= *gathered_until;
+  };
   for (;;) {
     const auto now = Clock::now();
     HandleDeadlines(now, result.events);
@@ -365,7 +374,7 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s) {
       result.done = true;
       return result;
     }
-    if (!result.events.empty()) return result;  // the timeout struck: say so while the ranks still run
+    if (report_now(now)) return result;  // the timeout struck: say so while the ranks still run
     // fds[k] stands for slots[k]; the wakeup fd, last, has no slot.
     std::vector<pollfd> fds;
     std::vector<PollSlot> slots;
@@ -383,7 +392,8 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s) {
     }
     if (options_.wakeup_fd >= 0) fds.push_back({options_.wakeup_fd, POLLIN, 0});
 
-    const int ready = ::poll(fds.data(), fds.size(), MillisecondsToNextDeadline(now, return_at));
+    const auto wake_at = gathered_until && (!return_at || *gathered_until < *return_at) ? gathered_until : return_at;
+    const int ready = ::poll(fds.data(), fds.size(), MillisecondsToNextDeadline(now, wake_at));
     if (ready < 0) {
       if (errno == EINTR) {
         result.interrupted = true;
@@ -412,7 +422,7 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s) {
     }
     ShowHeldOutput(Clock::now(), result.events);
     if (options_.wakeup_fd >= 0 && fds.back().revents != 0) result.interrupted = true;
-    if (!result.events.empty() || result.interrupted) return result;
+    if (result.interrupted || report_now(Clock::now())) return result;
     if (return_at && Clock::now() >= *return_at) return result;
   }
 }

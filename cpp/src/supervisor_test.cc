@@ -221,6 +221,35 @@ TEST_F(SupervisorTest, WaitWithALimitReturnsByThenWithNothingToReport) {
   EXPECT_LT(waited, std::chrono::milliseconds(2000));
 }
 
+TEST_F(SupervisorTest, OutputGatheredIsReportedInOneBatchAndAnExitAtOnce) {
+  // Five lines 50 ms apart: gathered for 2 s, they come in one batch with the exit that ends
+  // them, long before the 2 s are up.
+  auto supervisor = Supervisor::Start(Options({"for i in 1 2 3 4 5; do echo $i; sleep 0.05; done"}));
+  ASSERT_TRUE(supervisor.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto batch = (*supervisor)->Wait(-1, 2.0);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1500));
+  EXPECT_EQ(Lines(batch->events, 1), (std::map<int, std::string>{{0, "1|2|3|4|5|"}}));
+  ASSERT_FALSE(batch->events.empty());
+  EXPECT_EQ(batch->events.back().kind, EventKind::kRankExited);
+  RunToEnd(**supervisor);
+}
+
+TEST_F(SupervisorTest, OutputGatheredIsReportedOnceTheGatheringTimeIsUp) {
+  auto supervisor = Supervisor::Start(Options({"echo first; sleep 0.1; echo second; exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto batch = (*supervisor)->Wait(-1, 0.4);
+  const auto waited = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(batch.ok());
+  EXPECT_EQ(Lines(batch->events, 1), (std::map<int, std::string>{{0, "first|second|"}}));
+  EXPECT_GE(waited, std::chrono::milliseconds(400));
+  EXPECT_LT(waited, std::chrono::milliseconds(2000));
+  (*supervisor)->Cancel();
+  RunToEnd(**supervisor);
+}
+
 TEST_F(SupervisorTest, WhatARankLeavesBehindIsGoneWhenItsExitIsReported) {
   // A plain child, one in a new session, and one orphaned at once.
   auto supervisor = Supervisor::Start(Options({"sleep 100 & echo $!; setsid sleep 100 & echo $!; (setsid sleep 100 & echo $!)"}));

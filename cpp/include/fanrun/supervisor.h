@@ -76,8 +76,10 @@ class Supervisor {
 
   // Blocks until there is something to report, a deadline passes, or a signal or the
   // wakeup fd interrupts it; or, when max_wait_s >= 0, until that much time has passed
-  // (to redraw a display). Not thread-safe: one thread pumps a supervisor.
-  Result<WaitResult> Wait(double max_wait_s = -1);
+  // (to redraw a display). Output is gathered for gather_s after its first piece arrives and
+  // reported in one batch (a display that redraws once a second needs no more wake-ups than
+  // that); any other event is reported at once. Not thread-safe: one thread pumps a supervisor.
+  Result<WaitResult> Wait(double max_wait_s = -1, double gather_s = 0);
   // Stops every rank: SIGTERM now, SIGKILL after the grace period. Idempotent.
   void Cancel();
   // Kills every rank still running, and every kept rank not released, with every process it

@@ -60,6 +60,7 @@ class OutputMux:
             self._views = {1: self.panel, 2: self.panel}
         else:
             self._views = views_for_streams(self._labels)
+        self.gather_s = min(view.gather_s for view in self._unique_views())  # for the engine's wait
         self._held: dict[tuple[int, int], str] = {}  # (rank, stream) -> start of its line
         self.stderr_tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(world_size)]
         self._capturing: dict[int, list[str]] | None = None

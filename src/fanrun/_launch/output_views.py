@@ -32,6 +32,10 @@ class View(Protocol):
     def progress(self, key: Key, text: str, now: float) -> None:
         """The current text of a line redrawn with '\\r'; blank when the bar was erased."""
 
+    # How long the ranks' output may wait before it is handed over, in one batch: a view that
+    # shows it no more often than that needs no more wake-ups of the caller.
+    gather_s: float
+
     def due_in(self, now: float) -> float | None:
         """Seconds until a redraw is due; None when nothing waits to be drawn."""
 
@@ -202,6 +206,8 @@ class PlainView:
     else is written; once other output has broken its line, it takes a new line at most
     every PLAIN_NEW_LINE_EVERY_S, and its last line (its 100 %) always shows."""
 
+    gather_s = 0.0  # each line as it comes
+
     def __init__(self, labels: list[str]) -> None:
         self._lines = _StreamLines(labels)
         self._bars: dict[Key, _PlainBar] = {}
@@ -251,6 +257,8 @@ class TerminalView:
     """A terminal: ordinary lines scroll as usual, and below them a block of live rows, one
     per rank and stream with a bar or a line not ended yet, redrawn in place with cursor
     movements. A bar's last line joins the ordinary lines above the block."""
+
+    gather_s = 0.0  # each line as it comes
 
     def __init__(self, labels: list[str], block_stream: int) -> None:
         self._labels = labels
@@ -367,6 +375,8 @@ class NotebookView:
     handles (no widgets). A bar's last line stays in its row; when a rank starts a new bar
     over a finished one, or every bar has finished, the display is left as it stands and
     the next bar opens a new one below."""
+
+    gather_s = 0.0  # each line as it comes
 
     def __init__(self, labels: list[str]) -> None:
         self._labels = labels

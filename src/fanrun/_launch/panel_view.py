@@ -32,6 +32,7 @@ class PanelView:
         self._plot_stale = False  # points read since the plot was drawn
         self._surface = surface  # "notebook" or "terminal"
         self._redraw_every = REDRAW_EVERY_S[surface]
+        self.gather_s = self._redraw_every  # output is shown no sooner than the next redraw
         self._block_stream = block_stream  # a terminal's stream the block is drawn on
         self._dirty = True
         self._drawn_at = -math.inf
@@ -171,6 +172,8 @@ class PanelView:
 
 class QuietView:
     """display="quiet": nothing on the caller's streams; the run's logs keep every line."""
+
+    gather_s = 1.0  # nothing waits for the output but the stderr kept for a failure's message
 
     def line(self, key: Key, whole: str, rest: str, now: float) -> None:
         pass

@@ -139,7 +139,7 @@ def _run_in(
 
 def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: TimeoutReport) -> None:
     while True:
-        events, interrupted, done = ranks.wait(mux.seconds_to_redraw())
+        events, interrupted, done = ranks.wait(mux.seconds_to_redraw(), mux.gather_s)
         for kind, rank, stream, segment, data, exit_status in events:
             if kind == _core.EventKind.OUTPUT:
                 mux.write(rank, stream, segment, data)

@@ -53,8 +53,10 @@ class Ranks(Protocol):
     # An end of the backend's own that no rank reports (a node lost): raised as the run's outcome.
     failure: BaseException | None
 
-    def wait(self, max_wait_s: float = -1.0) -> tuple[list[Event], bool, bool]:
-        """(events, interrupted, done): waits at most max_wait_s (no limit below 0)."""
+    def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0) -> tuple[list[Event], bool, bool]:
+        """(events, interrupted, done): waits at most max_wait_s (no limit below 0). Output may be
+        held back for gather_s after its first piece, to come in one batch; a backend may report
+        it sooner, and reports any other event at once."""
 
     def cancel(self) -> None:
         """Stops every rank: SIGTERM, then SIGKILL after the grace period."""

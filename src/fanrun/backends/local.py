@@ -106,8 +106,8 @@ class LocalRanks:
         self.world_size = supervisor.world_size
         self.failure = None  # every end of a local run is a rank's
 
-    def wait(self, max_wait_s: float = -1.0):
-        return self._supervisor.wait(max_wait_s)
+    def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0):
+        return self._supervisor.wait(max_wait_s, gather_s)
 
     def cancel(self) -> None:
         self._supervisor.cancel()

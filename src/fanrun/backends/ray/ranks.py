@@ -74,7 +74,7 @@ class RayRanks:
         for follower in self._followers:
             follower.start()
 
-    def wait(self, max_wait_s: float = -1.0):
+    def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0):  # each node's news as it comes
         if self._news.empty():
             select.select([self._news_read, self._wakeup_fd], [], [], None if max_wait_s < 0 else max_wait_s)
         interrupted = bool(select.select([self._wakeup_fd], [], [], 0)[0])  # the launcher drains it
