@@ -70,3 +70,28 @@ def test_partial_long_and_binary_output_is_kept(capsys):
     assert lines[-1] == "[rank0]: no newline at the end"
     with open(os.path.join(run_dir, "rank_0.log"), "rb") as f:
         assert f.read() == b"x" * 200_000 + b"\nbin:\xff\xfe\x00end\nno newline at the end"
+
+
+def test_a_quiet_call_wakes_its_caller_rarely_and_its_log_keeps_every_line(monkeypatch, capsys):
+    from fanrun._launch.output import OutputMux
+
+    wakes = []
+    flush = OutputMux.flush
+    monkeypatch.setattr(OutputMux, "flush", lambda mux: (wakes.append(1), flush(mux))[1])
+
+    @distributed(num_accelerators=1, display="quiet")
+    def chatter():
+        import os
+        import time
+
+        for line in range(300):  # over 1.5 s at least
+            print(f"line {line}", flush=True)
+            time.sleep(0.005)
+        return os.environ["FANRUN_RUN_DIR"]
+
+    run_dir = chatter.distributed()[0]
+    assert capsys.readouterr().out == ""
+    # The engine gathers the lines for a second before it hands them over: a wake-up per line
+    # would be 300.
+    assert 1 <= len(wakes) <= 10, len(wakes)
+    assert Path(run_dir, "rank_0.log").read_text() == "".join(f"line {line}\n" for line in range(300))
