@@ -17,6 +17,9 @@ constexpr size_t kReadChunk = 64 * 1024;
 constexpr size_t kLongestLogText = 4 << 20;
 // A year bounds every period: beyond it the clock arithmetic would overflow.
 constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
+// Output gathered past this is reported at once: a rank that floods its stream is not held in
+// memory for the whole gathering time.
+constexpr size_t kMostGatheredBytes = 1 << 20;
 // A rank killed by a signal (SIGKILL from the OOM killer, SIGSEGV) drops its connections, and
 // its peers' collectives fail with "connection reset" at once, often before the killed rank's
 // keeper has reported the death. A death by a signal the supervisor did not send, seen this soon
@@ -360,12 +363,14 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s, double gather_s) {
   if (max_wait_s >= 0) return_at = Clock::now() + Seconds(std::min(max_wait_s, kLongestPeriodS));
   std::optional<Clock::time_point> gathered_until;  // set by the first piece of output
   size_t seen = 0;  // events already looked at
+  size_t gathered_bytes = 0;
   auto report_now = [&](Clock::time_point now) {
     for (; seen < result.events.size(); ++seen) {
       if (result.events[seen].kind != EventKind::kOutput) return true;
       if (!gathered_until) gathered_until = now + Seconds(std::min(std::max(gather_s, 0.0), kLongestPeriodS));
+      gathered_bytes += result.events[seen].text.size();
     }
-    return gathered_until && now >= *gathered_until;
+    return gathered_until && (now >= *gathered_until || gathered_bytes >= kMostGatheredBytes);
   };
   for (;;) {
     const auto now = Clock::now();
@@ -374,7 +379,8 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s, double gather_s) {
       result.done = true;
       return result;
     }
-    if (report_now(now)) return result;  // the timeout struck: say so while the ranks still run
+    // The timeout struck (said while the ranks still run), or the output gathered is due.
+    if (report_now(now)) return result;
     // fds[k] stands for slots[k]; the wakeup fd, last, has no slot.
     std::vector<pollfd> fds;
     std::vector<PollSlot> slots;

@@ -250,6 +250,21 @@ TEST_F(SupervisorTest, OutputGatheredIsReportedOnceTheGatheringTimeIsUp) {
   RunToEnd(**supervisor);
 }
 
+TEST_F(SupervisorTest, OutputGatheredPastAMegabyteIsReportedAtOnce) {
+  auto supervisor = Supervisor::Start(Options({"head -c 4000000 /dev/zero | tr '\\0' 'x'; exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto batch = (*supervisor)->Wait(-1, 30.0);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  size_t bytes = 0;
+  for (const auto& e : batch->events) bytes += e.text.size();
+  EXPECT_GE(bytes, size_t{1} << 20);
+  EXPECT_LT(bytes, size_t{4000000});
+  (*supervisor)->Cancel();
+  RunToEnd(**supervisor);
+}
+
 TEST_F(SupervisorTest, WhatARankLeavesBehindIsGoneWhenItsExitIsReported) {
   // A plain child, one in a new session, and one orphaned at once.
   auto supervisor = Supervisor::Start(Options({"sleep 100 & echo $!; setsid sleep 100 & echo $!; (setsid sleep 100 & echo $!)"}));
