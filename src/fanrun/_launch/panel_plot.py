@@ -1,7 +1,8 @@
 """The live panel's plot of the ranks' metrics (loss by step, one line per rank), drawn with
 matplotlib in the caller as a PNG. Drawing costs tens of milliseconds, so it is redrawn at most
 once a second and no more often than keeps it under COST_FRACTION of one core. The figure is
-built once and its lines given new points each time: building it costs three times drawing it."""
+built once and its lines given new points each time: building it and drawing it the first time
+costs about twice a later drawing."""
 
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ class MetricPlot:
         self.png = base64.b64encode(buffer.getvalue()).decode()
         if not built:
             # What a drawing costs sets the cadence. A new figure's first drawing, which lays out
-            # its text for the first time, costs several times more: counted, it would hold the
-            # plot back for a minute after the first points.
+            # its text for the first time, costs about twice as much: counted, it would hold the
+            # plot's second drawing back twice as long.
             self._cost_s = MetricPlot._last_cost_s = time.process_time() - started
         self._drawn_at = now
 
