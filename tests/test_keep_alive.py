@@ -4,6 +4,7 @@ and random seeds; a call that fails, or cannot leave its ranks clean, ends them.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import re
@@ -135,7 +136,8 @@ def test_ranks_that_torch_left_a_gloo_group_in_end_after_their_call(capfd):
     assert not set(ddp_step.distributed()) & set(pids)
 
 
-@distributed(num_accelerators=2, keep_alive=True, timeout=3)
+# Long enough for a cold start on a loaded machine; the timeout test shortens it once the ranks are up.
+@distributed(num_accelerators=2, keep_alive=True, timeout=120)
 def sleeps(seconds):
     import os
     import time
@@ -144,8 +146,9 @@ def sleeps(seconds):
     return os.getpid()
 
 
-def test_a_timeout_in_a_kept_call_dumps_the_stacks_and_ends_the_ranks():
+def test_a_timeout_in_a_kept_call_dumps_the_stacks_and_ends_the_ranks(monkeypatch):
     pids = sleeps.distributed(0)
+    monkeypatch.setattr(sleeps, "_options", dataclasses.replace(sleeps._options, timeout=3))
     with pytest.raises(TimeoutError) as raised:
         sleeps.distributed(60)
     assert "Python stacks dumped before the kill: ranks 0, 1." in str(raised.value)
