@@ -40,9 +40,10 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         (seed, epoch); set_epoch() picks it. Rows within a row group keep their order.
     drop_last: every rank reads the same number of rows per epoch; by default a few (fewer than
         the world size) are repeated to make it so, with drop_last=True a few are left out.
-    storage_options: a remote table's credentials and client settings, for deltalake (a Delta
-        table's log) and for fsspec (URLs pyarrow has no filesystem of its own for, such as
-        ``http://``).
+    storage_options: a remote table's credentials and client settings, in deltalake's keys
+        (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...): for deltalake (a Delta table's log),
+        for pyarrow's S3 filesystem (an ``s3://`` table's files), and for fsspec (URLs pyarrow
+        has no filesystem of its own for, such as ``http://``).
     cache_dir, cache_limit: where a remote table's files are cached on this node, whole, as
         VolumeDataset caches files (shared by ranks and runs; by default fanrun/data under
         ``$XDG_CACHE_HOME`` or ``~/.cache``), and the most bytes kept there (None: no limit).

@@ -34,11 +34,13 @@ class RemoteFiles:
     release() it, prefetch() the next ones. The cache is made in each process that reads."""
 
     def __init__(self, filesystem, files: list, sizes: list[int], cache_dir: str, cache_limit: int,
-                 storage_options: dict) -> None:
-        """cache_dir has been checked to be the caller's alone."""
+                 storage_options: dict, endpoint: str) -> None:
+        """cache_dir has been checked to be the caller's alone. `endpoint` names the store where
+        its URLs do not (an S3-compatible one's s3://bucket/key): part of the files' cache names."""
         self.cache_dir = cache_dir
         self.cache_limit = cache_limit
         self.sources = [f.source for f in files]
+        self._names = [cache_name(f"{endpoint} {f.source}" if endpoint else f.source) for f in files]
         self.sizes = sizes
         self._fetch = ArrowFetch(filesystem, {f.source: f.path for f in files})
         self._native_http = bool(self.sources) and engine_fetches(self.sources[0], storage_options)
@@ -51,19 +53,17 @@ class RemoteFiles:
 
     def acquire(self, index: int) -> str:
         """The local path of file `index`, fetched if it is not cached; held until release(index)."""
-        source = self.sources[index]
-        return self._cache.get().acquire(source, cache_name(source), self.sizes[index])
+        return self._cache.get().acquire(self.sources[index], self._names[index], self.sizes[index])
 
     def release(self, index: int) -> None:
-        self._cache.get().release(cache_name(self.sources[index]))
+        self._cache.get().release(self._names[index])
 
     def prefetch(self, indices: list[int]) -> None:
         cache = self._cache.get()
         for index in indices:
             if index not in self._prefetched:
                 self._prefetched.add(index)
-                source = self.sources[index]
-                cache.prefetch(source, cache_name(source), self.sizes[index])
+                cache.prefetch(self.sources[index], self._names[index], self.sizes[index])
 
     def _make_cache(self) -> _core.FileCache:
         self._prefetched = set()

@@ -21,6 +21,7 @@ from .._errors import FanrunError, TableError
 from ._cache import open_cache_dir
 from ._dataset_source import once_per_run
 from ._table_remote import RemoteFiles
+from ._table_store import open_store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,8 @@ class TableSource:
             raise TableError(f"table {uri}: reading tables needs pyarrow: pip install 'fanrun[table]'") from None
         self.uri = str(uri)
         storage_options = dict(storage_options or {})
-        self.filesystem, root, by_fsspec = _filesystem(self.uri, storage_options)
+        store = open_store(self.uri, storage_options)
+        self.filesystem, root = store.filesystem, store.root
         if _is_delta(self.filesystem, root):
             self.kind = "Delta table"
             self.schema, self.files = _delta(self.uri, self.filesystem, root, version, storage_options, filter)
@@ -60,7 +62,7 @@ class TableSource:
                 raise TableError(f"table {self.uri}: version={version} asks for a Delta table's version, and this is "
                                  f"no Delta table (no _delta_log folder): leave version unset")
             self.kind = "Parquet table"
-            self.schema, self.files = _parquet(self.filesystem, root, self.uri, filter, by_fsspec, storage_options)
+            self.schema, self.files = _parquet(self.filesystem, root, self.uri, filter, store.by_fsspec)
         self.columns = self._columns(columns, version)
         self.remote = None
         if isinstance(self.filesystem, pyarrow.fs.LocalFileSystem):
@@ -69,12 +71,13 @@ class TableSource:
             # Footers and sizes, asked of the store by one rank of the node; the others read them.
             cache_dir_fd = open_cache_dir(cache_dir)  # refused here, before any work, if not the caller's alone
             try:
-                pieces, sizes = once_per_run(["table", self.uri, version, repr(filter)], self._layout, cache_dir,
+                pieces, sizes = once_per_run(["table", store.endpoint, self.uri, version, repr(filter)], self._layout, cache_dir,
                                              cache_dir_fd)
             finally:
                 os.close(cache_dir_fd)
             self.pieces = [Piece(*piece) for piece in pieces]
-            self.remote = RemoteFiles(self.filesystem, self.files, sizes, cache_dir, cache_limit, storage_options)
+            self.remote = RemoteFiles(self.filesystem, self.files, sizes, cache_dir, cache_limit, storage_options,
+                                      store.endpoint)
         self._open: dict[int, Any] = {}
 
     @property
@@ -201,26 +204,6 @@ class TableSource:
 OPEN_FILES = 8
 
 
-def _filesystem(uri: str, storage_options: dict):
-    """The table's pyarrow filesystem, the table's path on it, and whether fsspec serves it:
-    pyarrow's own for local paths and the stores it knows (s3, gs, hdfs), else fsspec's for the
-    URL (http, and any store whose fsspec package is installed), with the storage options."""
-    import pyarrow.fs
-
-    try:
-        filesystem, root = pyarrow.fs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
-        return filesystem, root, False
-    except Exception as error:
-        native_error = error
-    try:
-        import fsspec
-
-        fs, root = fsspec.core.url_to_fs(uri, **storage_options)
-    except Exception as error:
-        raise TableError(f"table {uri}: cannot open its filesystem ({native_error}; fsspec: {error})") from None
-    return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)), root, True
-
-
 def _is_delta(filesystem, root: str) -> bool:
     import pyarrow.fs
 
@@ -228,7 +211,7 @@ def _is_delta(filesystem, root: str) -> bool:
     return info.type == pyarrow.fs.FileType.Directory
 
 
-def _parquet(filesystem, root: str, uri: str, filter: Any, by_fsspec: bool, storage_options: dict):
+def _parquet(filesystem, root: str, uri: str, filter: Any, by_fsspec: bool):
     import pyarrow.dataset as ds
     import pyarrow.fs
 
