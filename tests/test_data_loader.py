@@ -8,7 +8,7 @@ import collections
 import torch
 
 from fanrun.data import DataLoader
-from fanrun.data._loader import SMALL_TENSOR_BYTES
+from fanrun.data._loader import SMALL_TENSOR_BYTES, _ByValue, _mark_small
 
 Pair = collections.namedtuple("Pair", "left right")
 SMALL = ("label", "half", "flags", "scalar", "empty", "columns")
@@ -29,6 +29,7 @@ class Samples(torch.utils.data.Dataset):
             "big": torch.full((SMALL_TENSOR_BYTES // 4,), i, dtype=torch.int32),
             "pair": Pair(torch.tensor([i]), "text"),
             "name": f"sample {i}",
+            "mixed": [torch.tensor([i]), f"part {i}"],  # a list holding a tensor is still looked into
         }
 
 
@@ -42,10 +43,19 @@ def test_batches_from_workers_are_torchs_with_small_tensors_sent_by_value():
             assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
             assert torch.equal(got[key], want[key]), key
         assert torch.equal(got["pair"].left, want["pair"].left) and got["pair"].right == want["pair"].right
-        assert got["name"] == want["name"]
+        assert got["name"] == want["name"] and got["mixed"][1] == want["mixed"][1]
+        assert torch.equal(got["mixed"][0], want["mixed"][0]) and not got["mixed"][0].is_shared()
         # A tensor that came through shared memory is a shared one; one sent by value is not.
         assert [key for key in SMALL if got[key].is_shared()] == []
         assert got["big"].is_shared()
+
+
+def test_a_list_of_plain_values_is_passed_whole_and_not_walked():
+    """A table batch's string column: rebuilding its list value by value cost more than reading it."""
+    texts = [f"row {i}" for i in range(1000)] + [None, 3, 2.5, b"x", True]
+    marked = _mark_small({"text": texts, "nested": [texts, torch.ones(2)]})
+    assert marked["text"] is texts
+    assert marked["nested"][0] is texts and isinstance(marked["nested"][1], _ByValue)
 
 
 def collate_other_kinds(samples):
