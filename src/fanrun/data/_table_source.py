@@ -71,8 +71,8 @@ class TableSource:
             # Footers and sizes, asked of the store by one rank of the node; the others read them.
             cache_dir_fd = open_cache_dir(cache_dir)  # refused here, before any work, if not the caller's alone
             try:
-                pieces, sizes = once_per_run(["table", store.endpoint, self.uri, version, repr(filter)], self._layout, cache_dir,
-                                             cache_dir_fd)
+                key = ["table", store.endpoint, self.uri, version, repr(filter)]
+                pieces, sizes = once_per_run(key, self._layout, cache_dir, cache_dir_fd)
             finally:
                 os.close(cache_dir_fd)
             self.pieces = [Piece(*piece) for piece in pieces]
