@@ -327,7 +327,7 @@ def test_a_rank_that_closed_stderr_and_raised_gets_its_exception_back():
 def test_a_timeout_dumps_every_python_stack():
     """At a timeout every rank's Python stack is dumped and named in the error."""
 
-    @distributed(num_accelerators=2, timeout=3)
+    @distributed(num_accelerators=2, timeout=6)
     def hangs():
         import time
 
@@ -350,7 +350,7 @@ def test_a_timeout_names_the_rank_whose_stack_could_not_be_dumped():
     """A rank that blocks the stack-dump signal cannot dump its stack: the error says which
     ranks' stacks were dumped, which were not, and why."""
 
-    @distributed(num_accelerators=2, timeout=3)
+    @distributed(num_accelerators=2, timeout=6)
     def one_blocks_the_dump():
         import os
         import signal

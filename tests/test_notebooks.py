@@ -167,7 +167,7 @@ def train():
     time.sleep(60)
 
 train.distributed()""",
-    """@distributed(num_accelerators=2, timeout=3, tracking=False)
+    """@distributed(num_accelerators=2, timeout=6, tracking=False)
 def hang():
     import time
     time.sleep(60)
