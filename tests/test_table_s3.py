@@ -17,7 +17,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("deltalake")
 pytest.importorskip("boto3")
 
-from fanrun.data import DataLoader, TableDataset, TableError  # noqa: E402
+from fanrun import distributed  # noqa: E402
+from fanrun.data import TableDataset, TableError  # noqa: E402
 
 ROWS = 120
 DELETED = [0, 2, 5, 7]
@@ -95,16 +96,22 @@ def test_a_partition_filter_fetches_only_the_files_it_keeps(store, tmp_path):
     assert fetched(dataset)["fetched"] == len(dataset.source.files) == 2  # the partition's file of each version
 
 
-def test_ranks_and_workers_read_every_row_once(store, tmp_path, monkeypatch):
-    read = []
-    for rank in range(2):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", "2")
-        dataset = TableDataset(store["uri"], columns=["id"], storage_options=store["server"].storage_options(),
-                               cache_dir=tmp_path, seed=3)
-        read += [int(i) for batch in DataLoader(dataset, batch_size=4, num_workers=2) for i in batch["id"]]
+def read_ids(uri: str, options: dict, cache_dir: str) -> list[int]:
+    from fanrun.data import DataLoader, TableDataset
+
+    dataset = TableDataset(uri, columns=["id"], storage_options=options, cache_dir=cache_dir, seed=3)
+    return [int(i) for batch in DataLoader(dataset, batch_size=4, num_workers=2) for i in batch["id"]]
+
+
+def test_two_ranks_with_workers_read_every_row_once_and_share_the_nodes_cache(store, tmp_path):
+    reader = distributed(num_accelerators=2, tracking=False)(read_ids)
+    first, second = reader.distributed(store["uri"], store["server"].storage_options(), str(tmp_path))
     live = [row["id"] for row in delta_rows(store["local"])]
-    assert sorted(read) == sorted(live)
+    assert sorted(first + second) == sorted(live) and len(first) == len(second)
+    # The ranks' workers left every file in the node's cache: a later reader fetches none.
+    again = TableDataset(store["uri"], storage_options=store["server"].storage_options(), cache_dir=tmp_path)
+    list(again)
+    assert fetched(again)["fetched"] == 0
 
 
 def test_the_cache_tells_two_stores_with_the_same_bucket_and_key_apart(store, tmp_path, tmp_path_factory):
