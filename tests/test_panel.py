@@ -16,7 +16,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 from gpus import needs_gpus
-from processes import processes_of_runs_under
+from processes import processes_of_runs_under, wait_gone
 from test_live_output import rendered, run_in_terminal
 
 from fanrun._launch import progress_text
@@ -423,7 +423,7 @@ def test_the_exported_notebook_in_a_browser_shows_the_panel_and_its_plot(noteboo
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     if os.environ.get("FANRUN_SCREENSHOT"):  # where README's screenshot is refreshed from
         shutil.copyfile(shot, os.environ["FANRUN_SCREENSHOT"])
-    assert _processes_with(str(profile)) == []
+    assert wait_gone(_processes_with(str(profile)), timeout=10) == []
 
 
 def _processes_with(text: str) -> list[int]:
@@ -462,4 +462,5 @@ def test_eight_ranks_in_tmux_are_one_panel_on_its_screen(tmp_path):
     assert all("30/30 100%" in row for row in rows), "\n".join(lines)
     assert not any("[rank" in line for line in lines) and len(lines) <= 8 + 4, "\n".join(lines)
     assert lines[-1] == "returned [0, 1, 2, 3, 4, 5, 6, 7]"
-    assert _processes_with(socket) == []
+    # kill-server returns before the server has exited.
+    assert wait_gone(_processes_with(socket), timeout=10) == []
