@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import collections
 
+import numpy
 import torch
 
 from fanrun.data import DataLoader
-from fanrun.data._loader import SMALL_TENSOR_BYTES, _ByValue, _mark_small
+from fanrun.data._loader import SMALL_TENSOR_BYTES, _ByValue, _default_convert, _mark_small
 
 Pair = collections.namedtuple("Pair", "left right")
 SMALL = ("label", "half", "flags", "scalar", "empty", "columns")
@@ -56,6 +57,37 @@ def test_a_list_of_plain_values_is_passed_whole_and_not_walked():
     marked = _mark_small({"text": texts, "nested": [texts, torch.ones(2)]})
     assert marked["text"] is texts
     assert marked["nested"][0] is texts and isinstance(marked["nested"][1], _ByValue)
+
+
+def same_structure(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return type(got) is torch.Tensor and torch.equal(got, want)
+    if isinstance(want, dict):
+        return type(got) is type(want) and got.keys() == want.keys() and all(same_structure(got[k], want[k]) for k in want)
+    if isinstance(want, (list, tuple)):
+        return type(got) is type(want) and len(got) == len(want) and all(map(same_structure, got, want))
+    return type(got) is type(want) and got == want
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """Items that are batches already (batch_size=None): converted, not collated."""
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info()
+        for i in range(worker.id, 4, worker.num_workers) if worker else range(4):
+            yield {"text": [f"row {j}" for j in range(i, i + 50)] + [None, 1.5], "ids": numpy.arange(i, i + 3),
+                   "nested": {"pairs": [(i, "x")], "arrays": [numpy.ones(2) * i, "y"]}}
+
+
+def test_batches_given_whole_are_converted_as_torchs_with_plain_lists_copied_whole():
+    texts = [f"row {i}" for i in range(100)]
+    converted = _default_convert({"text": texts})
+    assert converted["text"] == texts and converted["text"] is not texts  # a copy, as torch's is
+    reference = [torch.utils.data.default_convert(item) for item in Batches()]
+    for workers in (0, 2):
+        got = list(DataLoader(Batches(), batch_size=None, num_workers=workers))
+        assert same_structure(got, reference), workers
+        assert type(got[0]["ids"]) is torch.Tensor and type(got[0]["nested"]["arrays"][0]) is torch.Tensor
 
 
 def collate_other_kinds(samples):

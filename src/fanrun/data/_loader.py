@@ -45,10 +45,10 @@ class DataLoader(torch.utils.data.DataLoader):
                     "workers kept between epochs never see set_epoch() or load_state_dict(). Leave it False."
                 )
             self._volume._chunk = self.batch_size or 1
-        if isinstance(dataset, TableDataset) and dataset.batch_rows is not None and self.collate_fn is _DEFAULT_CONVERT:
-            # Its items are batches of tensors and lists already: torch's default_convert would
-            # only walk every value of every list, which cost more than reading them.
-            self.collate_fn = _unchanged
+        if self.collate_fn is _DEFAULT_CONVERT:
+            # A TableDataset's batches are tensors and lists already: there is nothing to convert.
+            tables = isinstance(dataset, TableDataset) and dataset.batch_rows is not None
+            self.collate_fn = _unchanged if tables else _default_convert
         if self.num_workers > 0:
             self.collate_fn = _SmallTensorsByValue(self.collate_fn)
         self.wait_seconds = 0.0
@@ -137,6 +137,17 @@ _BY_VALUE_DTYPES = frozenset({
 
 
 _PLAIN_VALUES = frozenset({str, bytes, int, float, bool, type(None)})
+
+
+def _default_convert(data):
+    """torch's default_convert (the collate_fn of batch_size=None), with a list of plain
+    values copied whole: torch's converts each value in a call of its own, which for the
+    strings of a batch read from a table cost more than reading them."""
+    if type(data) is dict:
+        return {key: _default_convert(value) for key, value in data.items()}
+    if type(data) is list and _PLAIN_VALUES.issuperset(set(map(type, data))):
+        return list(data)
+    return _DEFAULT_CONVERT(data)
 
 
 def _mark_small(value):
