@@ -12,6 +12,7 @@ Goal: fanrun at most 0.5x torchrun's.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import statistics
@@ -67,24 +68,48 @@ def under_fanrun(ranks: int, directory: str) -> float:
     return latency(directory, ranks)
 
 
-# A restart that has not reached its first step after this long has failed.
+# A restart that has not reached its first step after this long has failed (a smoke run's
+# launchers take a few seconds; it only shows that the script runs).
 CALL_TIMEOUT_S = 120.0
+SMOKE_CALL_TIMEOUT_S = 40.0
 
 
 class RestartFailed(Exception):
     """The launcher did not bring the second attempt to its first step."""
 
 
-def under_torchrun(ranks: int, directory: str) -> float:
+def under_torchrun(ranks: int, directory: str, timeout: float) -> float:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                "--max-restarts=1", __file__, "--worker", directory]
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        done = subprocess.run(command, capture_output=True, timeout=CALL_TIMEOUT_S)
-    except subprocess.TimeoutExpired as error:
-        raise RestartFailed(f"no end after {CALL_TIMEOUT_S:g} s; {_last_error(error.stderr, 'no error printed')}") from None
+        _, stderr = launcher.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _, stderr = stop_torchrun(launcher, directory)
+        raise RestartFailed(f"no end after {timeout:g} s; {_last_error(stderr, 'no error printed')}") from None
     if not all(Path(directory, f"step-1-{rank}").exists() for rank in range(ranks)):
-        raise RestartFailed(f"the second attempt never stepped: {_last_error(done.stderr, f'exit {done.returncode}')}")
+        raise RestartFailed(f"the second attempt never stepped: {_last_error(stderr, f'exit {launcher.returncode}')}")
     return latency(directory, ranks)
+
+
+def stop_torchrun(launcher: subprocess.Popen, directory: str) -> tuple[bytes, bytes]:
+    """SIGTERM, on which torchrun stops its workers; then SIGKILL for any of them left, found by
+    their command line: torchrun starts each in a session of its own, out of reach of its group."""
+    launcher.terminate()
+    try:
+        out = launcher.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        out = launcher.communicate()
+    marker = f"--worker\0{directory}\0".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                if marker in file.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue  # gone meanwhile
+    return out
 
 
 def _last_error(stderr: bytes | None, otherwise: str) -> str:
@@ -110,7 +135,8 @@ def main() -> None:
     times: dict[str, list[float]] = {"fanrun": [], "torchrun": []}
     failures: dict[str, str] = {}
     for _ in range(args.repeat):
-        for name, run in (("fanrun", under_fanrun), ("torchrun", under_torchrun)):
+        timeout = SMOKE_CALL_TIMEOUT_S if args.smoke else CALL_TIMEOUT_S
+        for name, run in (("fanrun", under_fanrun), ("torchrun", functools.partial(under_torchrun, timeout=timeout))):
             if name in failures:
                 continue  # a launcher that could not restart once is not retried
             with tempfile.TemporaryDirectory(prefix="fanrun-restart-bench-") as directory:

@@ -4,14 +4,17 @@ files, tests and arguments that exist, and the decorator arguments built for GPU
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import processes_with_environment, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -38,8 +41,8 @@ SMOKE_RUNS = {
     "restart.py": ([], ["seconds from the death of rank 1 to the next attempt's first step", "  fanrun ",
                         "Goal: restart latency at most 0.5x torchrun's"]),
     "results.py": ([], ["cost of returning s", "torch.save+load s", "Goal: returning costs at most 1.5x"]),
-    "table.py": ([], ["rows/s", "fanrun, cold", "pyarrow", "hf-datasets", "streaming", "ray-data", "Goals:",
-                      "warm: TableDataset >= 1.5x the best peer"]),
+    "table.py": ([], ["rows/s", "fanrun, cold", "ready-batches", "pyarrow", "hf-datasets", "streaming", "ray-data", "Goals:",
+                      "warm: TableDataset >= 1.5x the best peer", "of batches it never reads"]),
     "throughput.py": ([], ["fanrun/torchrun", "ddp ", "fsdp "]),
     "tracking.py": ([], ["| mode |", "log_metric every step (fanrun's default)", "vs off"]),
     "tracking_cost.py": ([], ["| ranks sleep s | call | on | off | on - off | goal |", "| first call |", "| calls 2-2 |", "| whole script |"]),
@@ -67,17 +70,34 @@ def test_benchmark_smoke_run_prints_its_report(script, tmp_path):
         # Ray Train's own controller actor has outlived its cluster's shutdown by more than
         # netns.py's default 15 s on the loaded 2-core machine; a process left for good still fails.
         command = [sys.executable, str(ROOT / "tests" / "ray" / "netns.py"), "--grace", "60", *command]
-    done = subprocess.run(command,
-                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    done = run_leaving_nothing(command, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for text in expected:
         assert text in done.stdout, f"{script} --smoke did not print {text!r}:\n{done.stdout[-3000:]}"
 
 
+def run_leaving_nothing(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Runs a benchmark, then checks that nothing it started (its peers' launchers and ranks
+    included, which inherit the marked environment) outlives it by more than a few seconds."""
+    marker = f"FANRUN_BENCHMARK_SMOKE={cwd}\0"
+    # Files, not pipes: a pipe would keep the run waiting for whatever still holds its end.
+    with open(cwd / "smoke.out", "w+") as out, open(cwd / "smoke.err", "w+") as err:
+        done = subprocess.run(command, stdout=out, stderr=err, text=True, cwd=cwd, timeout=600,
+                              env={**os.environ, "FANRUN_BENCHMARK_SMOKE": str(cwd)})
+        left = processes_with_environment(marker.encode())
+        still = wait_gone([pid for pid, _ in left], timeout=15)
+        for pid in still:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # the test fails, and leaves nothing either
+        assert still == [], f"left running: {[command for pid, command in left if pid in still]}"
+        out.seek(0), err.seek(0)
+        done.stdout, done.stderr = out.read(), err.read()
+    return done
+
+
 @pytest.mark.slow
 def test_panel_benchmark_smoke_run_with_its_caller_in_a_notebook(tmp_path):
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "panel.py"), "--smoke", "--where", "notebook"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    done = run_leaving_nothing([sys.executable, str(BENCHMARKS / "panel.py"), "--smoke", "--where", "notebook"], tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "caller in a notebook" in done.stdout and "| panel |" in done.stdout, done.stdout[-3000:]
 
