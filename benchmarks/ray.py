@@ -120,6 +120,11 @@ def ray_train_call(work, *args, storage: str):
         return float(file.read())
 
 
+def checked(run) -> None:
+    value = run(all_reduce_once)
+    assert value == sum(range(1, WORLD + 1)), value
+
+
 def timed(call) -> float:
     started = time.perf_counter()
     call()
@@ -147,16 +152,18 @@ def _chain(error: BaseException):
 # ---------------------------------------------------------------- the report
 
 
-def whole_call_and_failure(runs: dict, calls: int) -> list[str]:
+def whole_call_and_failure(runs: dict, calls: int, warm_up: bool) -> list[str]:
     """Prints both tables; returns their goals' lines."""
     times = {}
     for name, run in runs.items():
-        assert run(all_reduce_once) == sum(range(1, WORLD + 1)), name  # warm-up, and a check
-        times[name] = [timed(functools.partial(run, all_reduce_once)) for _ in range(calls)]
+        if warm_up:
+            run(all_reduce_once)
+        times[name] = [timed(functools.partial(checked, run)) for _ in range(calls)]
     failures = {name: failure_latency(functools.partial(run, raise_on_one_rank)) for name, run in runs.items()}
     whole = {name: statistics.median(seconds) for name, seconds in times.items()}
     call_ratio = whole["fanrun"] / whole["TorchTrainer"]
-    print(f"Whole call: import torch, init_process_group, all_reduce, return (median s of {calls}, after a warm-up)")
+    print(f"Whole call: import torch, init_process_group, all_reduce, return (median s of {calls}"
+          f"{', after a warm-up' if warm_up else ''})")
     for name, seconds in times.items():
         print(f"  {name:<13} {whole[name]:7.3f}   (min {min(seconds):.3f}, max {max(seconds):.3f})")
     print(f"  fanrun/TorchTrainer {call_ratio:.2f}x\n")
@@ -178,7 +185,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="training steps timed in the throughput run")
     parser.add_argument("--rounds", type=int, default=None, help="alternating throughput rounds (default: --calls)")
     parser.add_argument("--throughput-only", action="store_true", help="skip the whole-call and failure parts")
-    parser.add_argument("--smoke", action="store_true", help="one call of each, a few steps: proves it runs")
+    parser.add_argument("--smoke", action="store_true", help="one call of each, no warm-up, a few steps: proves it runs")
     args = parser.parse_args()
     if args.smoke:
         args.calls, args.steps = 1, 20
@@ -206,7 +213,7 @@ def main() -> None:
                 "TorchTrainer": lambda work, *a: ray_train_call(work, *a, storage=storage)}
         goals = []
         if not args.throughput_only:
-            goals += whole_call_and_failure(runs, args.calls)
+            goals += whole_call_and_failure(runs, args.calls, warm_up=not args.smoke)
         # In alternating rounds, so that a slow spell of the machine falls on both.
         rounds = {name: [] for name in runs}
         for _ in range(max(1, args.rounds or args.calls)):

@@ -9,7 +9,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -168,11 +167,13 @@ def main() -> int:
             rates: dict[str, list[float]] = {label: [] for label, *_ in modes}
             points: dict[str, int | None] = {}
             # One call of each mode per round: drift in the machine's load spreads over all modes.
-            for round_index in range(options.repeats + 1):
+            # Round 0 warms caches and creates the store, and is not counted; a smoke run, whose
+            # figures mean nothing, skips it.
+            for round_index in range(1 if options.smoke else 0, options.repeats + 1):
                 for label, tracking, logging, async_logging in modes:
                     rate, logged = measure(options.ranks, options.steps, options.warmup, tracking, logging, async_logging, options.gpu)
                     if round_index == 0:
-                        continue  # the first round warms caches and creates the store: not counted
+                        continue
                     rates[label].append(rate)
                     points[label] = logged
                     print(f"  round {round_index}: {label}: {rate:.1f} steps/s", file=sys.stderr, flush=True)
