@@ -1,6 +1,7 @@
 """Every script in benchmarks/ runs to the end in its smoke mode (tiny sizes, CPU), so that none
-can rot unnoticed; for the GPU paths, everything but the GPU: the steps of the GPU session name
-files, tests and arguments that exist, and the decorator arguments built for GPUs are valid."""
+can rot unnoticed, and leaves no process behind; for the GPU paths, everything but the GPU: the
+steps of the GPU session name files, tests and arguments that exist, and the decorator arguments
+built for GPUs are valid."""
 
 from __future__ import annotations
 
