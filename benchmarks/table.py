@@ -93,11 +93,15 @@ def to_mds(table: Path, out: Path) -> float:
     return time.perf_counter() - started
 
 
+def table_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.parquet"))
+
+
 def direct_read(directory: Path, parallel: int) -> float | None:
     """MB/s of `dd` with O_DIRECT over every file of the table, `parallel` at a time: the disk
     itself, where a virtual machine's cold `cat` may come from its host's cache. None where the
     filesystem refuses O_DIRECT (tmpfs)."""
-    total = sum(p.stat().st_size for p in directory.glob("*.parquet"))
+    total = table_bytes(directory)
     started = time.perf_counter()
     done = subprocess.run(f"ls {directory}/*.parquet | xargs -P {parallel} -I FILE dd if=FILE of=/dev/null bs=4M iflag=direct",
                           shell=True, capture_output=True)
@@ -106,7 +110,7 @@ def direct_read(directory: Path, parallel: int) -> float | None:
 
 def raw_read(directory: Path, parallel: int, cold: bool) -> float:
     """MB/s of `cat` over every file of the table, `parallel` at a time."""
-    total = sum(p.stat().st_size for p in directory.glob("*.parquet"))
+    total = table_bytes(directory)
     if cold:
         evict(directory)
     started = time.perf_counter()
@@ -276,7 +280,7 @@ def main() -> None:
     try:
         if not table.exists():
             make_table(table, args.rows)
-        notes = {"table MB": sum(p.stat().st_size for p in table.glob("*.parquet")) / 1e6}
+        notes = {"table MB": table_bytes(table) / 1e6}
         if "streaming" in args.methods and not mds.exists():
             notes["MDS conversion s"] = to_mds(table, mds)
         spec = {"table": str(table), "files": sorted(str(p) for p in table.glob("*.parquet")), "mds": str(mds),
