@@ -83,7 +83,7 @@ def run_leaving_nothing(command: list[str], cwd: Path) -> subprocess.CompletedPr
     marker = f"FANRUN_BENCHMARK_SMOKE={cwd}\0"
     # Files, not pipes: a pipe would keep the run waiting for whatever still holds its end.
     with open(cwd / "smoke.out", "w+") as out, open(cwd / "smoke.err", "w+") as err:
-        done = subprocess.run(command, stdout=out, stderr=err, text=True, cwd=cwd, timeout=600,
+        done = subprocess.run(command, stdout=out, stderr=err, cwd=cwd, timeout=600,
                               env={**os.environ, "FANRUN_BENCHMARK_SMOKE": str(cwd)})
         left = processes_with_environment(marker.encode())
         still = wait_gone([pid for pid, _ in left], timeout=15)

@@ -139,13 +139,19 @@ _BY_VALUE_DTYPES = frozenset({
 _PLAIN_VALUES = frozenset({str, bytes, int, float, bool, type(None)})
 
 
+def _is_plain_list(value) -> bool:
+    """A list or tuple of plain values only (a batch's strings): their types are found at C
+    speed, where visiting the values one by one cost more than reading the rows."""
+    return _PLAIN_VALUES.issuperset(set(map(type, value)))
+
+
 def _default_convert(data):
     """torch's default_convert (the collate_fn of batch_size=None), with a list of plain
     values copied whole: torch's converts each value in a call of its own, which for the
     strings of a batch read from a table cost more than reading them."""
     if type(data) is dict:
         return {key: _default_convert(value) for key, value in data.items()}
-    if type(data) is list and _PLAIN_VALUES.issuperset(set(map(type, data))):
+    if type(data) is list and _is_plain_list(data):
         return list(data)
     return _DEFAULT_CONVERT(data)
 
@@ -157,10 +163,8 @@ def _mark_small(value):
             return _ByValue(value)
         return value
     if type(value) in (list, tuple):
-        # A list of plain values (a table batch's string column) is taken whole: its types are
-        # found at C speed, where rebuilding it value by value cost more than reading the rows.
-        if _PLAIN_VALUES.issuperset(set(map(type, value))):
-            return value
+        if _is_plain_list(value):
+            return value  # taken whole, not rebuilt value by value
         return type(value)(_mark_small(v) for v in value)
     if type(value) is dict:
         return {k: _mark_small(v) for k, v in value.items()}
