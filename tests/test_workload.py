@@ -39,12 +39,15 @@ def watched(folder, text):
 def test_a_command_is_a_bash_script_whose_every_line_runs(tmp_path):
     status, stderr = watched(tmp_path, "command: |\n  echo first-$RANK >> lines.txt\n"
                                        "  python -c 'import os; print(\"second-\" + os.environ[\"RANK\"])' >> lines.txt\n"
+                                       "  python -c 'import sys; print(sys.executable)' > python.txt\n"
                                        "compute: {num_accelerators: 2}\n")
     assert status == "FINISHED", stderr
     assert sorted((tmp_path / "lines.txt").read_text().split()) == ["first-0", "first-1", "second-0", "second-1"]
+    # `python` there is fanrun's own interpreter, as the script and function fields run it.
+    assert (tmp_path / "python.txt").read_text().strip() == sys.executable
 
 
-@pytest.mark.parametrize("script", ["true\n  exit 3\n  touch after.txt\n", "false | cat\n  touch after.txt\n"])
+@pytest.mark.parametrize("script", ["true\n  exit 3\n  touch after.txt\n", "true\n  false | true\n  touch after.txt\n"])
 def test_a_failing_line_or_pipe_fails_the_run_and_stops_the_script(tmp_path, script):
     status, stderr = watched(tmp_path, f"command: |\n  {script}compute: {{num_accelerators: 1}}\n")
     assert status == "FAILED", stderr
@@ -150,6 +153,8 @@ command: echo [*h,*h,*h,*h,*h,*h,*h,*h,*h]
      "workload.yaml:3: env_variables.A=B: a variable's name cannot hold '='"),
     ("command: echo hi\nenv_variables:\n  A: \"x\\0y\"\n", None, "workload.yaml:3: env_variables.A: holds a NUL character"),
     ("command: echo hi\nenv_variables:\n  A: [x]\n", None, "workload.yaml:3: env_variables.A: must be a string or a number"),
+    ("command: echo hi\nenv_variables:\n  A: 'ok'\n  B: true\n", None,
+     "workload.yaml:4: env_variables.B: must be a string or a number, not True; write it in quotes"),
 ])
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_a_bad_workload_is_a_one_line_error_naming_file_and_line(tmp_path, text, data, message, dry_run):

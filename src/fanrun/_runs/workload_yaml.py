@@ -34,7 +34,7 @@ def read(path: str) -> tuple[Any, dict[tuple, int]]:
     except OSError as error:
         raise WorkloadError(f"{path}: cannot read the workload file: {error.strerror}") from None
     if len(data) > MAX_BYTES:
-        raise WorkloadError(f"{path}: {MAX_BYTES >> 20} MiB or more: not a workload file")
+        raise WorkloadError(f"{path}: larger than {MAX_BYTES >> 20} MiB: not a workload file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
