@@ -149,6 +149,9 @@ command: echo [*h,*h,*h,*h,*h,*h,*h,*h,*h]
     ("command: \"echo a\\0b\"\n", None, "workload.yaml:1: command: holds a NUL character"),
     ("function: job:train\nkwargs: {1: 2}\n", None, "workload.yaml:2: kwargs.1: a key must be a string"),
     ("script: job.py\nargs: [ok, {a: b}]\n", None, "workload.yaml:2: args[1]: must be a string or a number"),
+    ("script: \"job.py\\0\"\n", None, "workload.yaml:1: script: holds a NUL character"),
+    ("function: broken:main\n", None, "workload.yaml:1: function: importing 'broken' raised ZeroDivisionError: division"),
+    ("script: \"no\\nwhere.py\"\n", None, "workload.yaml:1: script: "),
     ("command: echo hi\nenv_variables:\n  A=B: x\n", None,
      "workload.yaml:3: env_variables.A=B: a variable's name cannot hold '='"),
     ("command: echo hi\nenv_variables:\n  A: \"x\\0y\"\n", None, "workload.yaml:3: env_variables.A: holds a NUL character"),
@@ -159,6 +162,7 @@ command: echo [*h,*h,*h,*h,*h,*h,*h,*h,*h]
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_a_bad_workload_is_a_one_line_error_naming_file_and_line(tmp_path, text, data, message, dry_run):
     (tmp_path / "job.py").write_text("def train():\n    return 1\n")
+    (tmp_path / "broken.py").write_text("1 / 0\n")
     before = set(store.all_runs())
     done = submit(tmp_path, text, *(["--dry-run"] if dry_run else []), data=data, timeout=60)
     assert done.returncode == 2, done.stderr

@@ -78,6 +78,7 @@ class _Where:
 
     def error(self, keys: tuple, problem: str) -> WorkloadError:
         field = workload_yaml.dotted(keys)
+        problem = problem.replace("\n", "\\n")  # one line, whatever a value or an import error holds
         if any(keys[:length] in self.overridden for length in range(1, len(keys) + 1)):
             return WorkloadError(f"--override {field}: {problem}")
         line = next((self.lines[keys[:length]] for length in range(len(keys), 0, -1) if keys[:length] in self.lines), 1)
@@ -133,6 +134,8 @@ def _check(fields: dict, where: _Where, base: Path) -> Workload:
     for key in ("script", "function"):
         if fields.get(key) is not None and not isinstance(fields[key], str):
             raise where.error((key,), f"must be a string, not {fields[key]!r}")
+        if fields.get(key) is not None:
+            _text(fields[key], (key,), where)  # NUL
     args = fields.get("args") or []
     if not isinstance(args, list):
         raise where.error(("args",), "must be a list of arguments")
@@ -219,6 +222,8 @@ def _program(fields: dict, where: _Where, base: Path,
             function = getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError) as error:
             raise where.error(("function",), f"{spec!r} cannot be found: {error}") from None
+        except Exception as error:  # noqa: BLE001 - the module's own error at import, named here
+            raise where.error(("function",), f"importing {module_name!r} raised {type(error).__name__}: {error}") from None
         function = getattr(function, "__wrapped__", function)  # a @distributed function: its own body
         if not callable(function):
             raise where.error(("function",), f"{spec!r} is not a function")

@@ -45,8 +45,9 @@ def rank_program(command: object, path_var: str, problem: Problem) -> RankProgra
 
 
 def name(command: str | list[str]) -> str:
-    """The run's name: its program's, or its script's for `python train.py`."""
-    words = (_simple_commands(command) or [(1, ["command"])])[0][1] if isinstance(command, str) else command
+    """The run's name: its program's, or its script's for `python train.py`; a shell command's
+    last command's (the lines before it mostly prepare it)."""
+    words = (_simple_commands(command) or [(1, ["command"])])[-1][1] if isinstance(command, str) else command
     named = words[1] if os.path.basename(words[0]).startswith("python") and len(words) > 1 else words[0]
     return os.path.basename(named) or "command"
 
