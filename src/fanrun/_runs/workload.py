@@ -148,16 +148,15 @@ def _check(fields: dict, where: _Where, base: Path) -> Workload:
         env.setdefault("PATH", _path_with_this_python())
         program = workload_command.rank_program(
             fields["command"], env["PATH"], lambda keys, problem: where.error(("command", *keys), problem))
+        name, payload, shown = workload_command.name(fields["command"]), None, workload_command.shown(program)
     options = _decorator.Options(
         num_accelerators=count, accelerator=accelerator,
         timeout=None if minutes is None else float(minutes) * 60,
         experiment_name=fields.get("experiment_name"), run_name=fields.get("mlflow_run_name"),
         max_restarts=retries, nodes=nodes if nodes > 1 else None,
     )
-    if fields.get("command") is not None:
-        return Workload(name=workload_command.name(fields["command"]), fields=fields, program=program, payload=None, options=options, env=env,
-                        nodes=nodes, shown=workload_command.shown(program))
-    name, program, payload, shown = _program(fields, where, base, _payload)
+    if fields.get("command") is None:  # last: a function's module is imported, the one step that runs user code
+        name, program, payload, shown = _program(fields, where, base, _payload)
     return Workload(name=name, fields=fields, program=program, payload=payload, options=options, env=env, nodes=nodes,
                     shown=shown)
 
