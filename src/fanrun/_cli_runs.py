@@ -91,9 +91,7 @@ def _submit(options: argparse.Namespace) -> int:
         print(f"fanrun: {error}", file=sys.stderr)
         return 2
     if options.dry_run:
-        what = workload.program.argv[4:] if workload.program and workload.program.python else (
-            workload.program.argv if workload.program else [f"{workload.fields['function']}(**{workload.fields.get('kwargs') or {}})"])
-        print(f"would run {' '.join(map(str, what))} on {plan.description}, max_retries {workload.options.max_restarts}, "
+        print(f"would run {workload.shown} on {plan.description}, max_retries {workload.options.max_restarts}, "
               f"timeout {'none' if workload.options.timeout is None else f'{workload.options.timeout:g} s'}")
         return 0
     run = runs.submit(workload, cwd=_folder(options), idempotency_key=options.idempotency_key)
