@@ -46,15 +46,15 @@ def main() -> None:
     try:
         status, outcome, reason = _run(spec, directory)
         if broadcast.log_error is not None:
-            status, outcome, reason = _lost_output(broadcast.log_error, status)
+            status, outcome, reason = _lost_output(broadcast.log_error, status, reason)
         _record_end(directory, status, outcome, reason)
     finally:
         broadcast.close()
 
 
-def _lost_output(log_error: str, status: str) -> tuple[str, bytes, str]:
+def _lost_output(log_error: str, status: str, reason: str) -> tuple[str, bytes, str]:
     """A run whose output could not all be kept fails, whatever the call did: it is said why."""
-    reason = f"{log_error}; the call itself ended {status}"
+    reason = f"{log_error}; the call itself ended {status}{f' ({reason})' if reason else ''}"
     return store.FAILED, failure(FanrunError(f"the run's output was not kept: {reason}")), reason
 
 

@@ -34,7 +34,7 @@ _CHUNK = 64 * 1024
 FIRST_LINE_S = 5.0
 _FIRST_LINE_BYTES = 32
 # What may wait for one reader, in bytes; a reader further behind is dropped and resumes from disk.
-READER_QUEUE_BYTES = 4 * 1024 * 1024
+READER_QUEUE_BYTES = 1024 * 1024
 # Readers at once; one more is turned away (each has a thread).
 MAX_READERS = 64
 # How long the readers get, once the run has ended, to take what waits for them.
