@@ -4,6 +4,7 @@ test runs real runners and real ranks, reads over the real socket, and asks the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -229,13 +230,25 @@ def test_a_full_disk_fails_the_run_with_its_reason_and_every_run_still_lists(tin
     with pytest.raises(fanrun.FanrunError, match="disk full"):
         run.result()
     assert wait_gone([runner_pid(run)], timeout=30) == []
+    fill(tiny_runs_root / "filler")  # the room the runner gave back too: a reader cannot write a byte
     listed = cli("list", "--all")
     assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
     rows = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
     assert rows[run.id].split()[1] == "FAILED" and "disk full" in rows[run.id], listed.stdout
     assert rows[killed.id].split()[1] == "FAILED" and "ended without recording an outcome" in rows[killed.id]
+    assert store.read_json(store.find(killed.id), store.STATE)["status"] not in store.FINAL  # shown, not written
     logs = cli("logs", run.id)
     assert logs.returncode == 0 and f"[rank0]: {'x' * 99}\n" in logs.stdout, logs.stderr
+
+
+def fill(path: Path) -> None:
+    """Writes `path` until its disk is full."""
+    with open(path, "wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC, error
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -234,9 +234,9 @@ def table(found: list[Run]) -> list[str]:
 def _row(run: Run) -> tuple[str, str, str, str, str]:
     status, problem = _status(run)
     try:
-        info = run.info if problem is None else {}
+        info = run.info  # what is on disk: a Ray job's too, when its cluster does not answer
     except FanrunError as error:
-        status, problem, info = _damaged_or_unknown(error), str(error), {}
+        status, problem, info = _damaged_or_unknown(error), problem or str(error), {}
     created, ended = info.get("created"), info.get("ended")
     started = "-" if created is None else datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
     took = "-" if created is None else f"{(ended or time.time()) - created:.0f} s"
