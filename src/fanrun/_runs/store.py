@@ -131,16 +131,11 @@ def find(run_id: str) -> Path:
         raise UnknownRunError(f"{run_id!r} is not a run id (a run id looks like train-20261201-140512-a3f9c1; "
                               f"`fanrun list --all` shows yours)")
     parent, parent_fd = root()
+    os.close(parent_fd)
     try:
-        fd = os.open(run_id, _DIRECTORY_FLAGS, dir_fd=parent_fd)
-    except FileNotFoundError:
+        _check_directory(parent / run_id)
+    except UnknownRunError:
         raise UnknownRunError(f"no run {run_id} in {parent} (`fanrun list --all` shows your runs)") from None
-    except OSError as error:
-        raise DamagedRunError(f"{parent / run_id} is {_not_a_directory(parent / run_id, error)}, not a run's directory; "
-                              f"remove it if it is not yours to keep") from None
-    finally:
-        os.close(parent_fd)
-    os.close(fd)
     return parent / run_id
 
 
@@ -303,7 +298,12 @@ def reserve_room(directory: Path) -> None:
     finally:
         os.close(dir_fd)
     try:
-        os.posix_fallocate(fd, 0, RESERVED_BYTES)  # blocks on the disk, not a hole that takes nothing
+        try:
+            os.posix_fallocate(fd, 0, RESERVED_BYTES)  # blocks on the disk, not a hole that takes nothing
+        except OSError as error:
+            if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.write(fd, bytes(RESERVED_BYTES))  # a file system that allocates no room ahead: zeros hold it
     finally:
         os.close(fd)
 
