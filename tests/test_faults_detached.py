@@ -174,18 +174,20 @@ def test_a_slow_reader_never_slows_a_run_and_a_dropped_one_resumes_from_its_offs
     assert wait_gone([runner_pid(run)], timeout=30) == []
 
 
-def test_a_follower_that_reads_slowly_through_a_pipe_gets_every_byte(runs_root, tmp_path):
+def test_a_follower_dropped_for_reading_slowly_resumes_from_its_offset_and_gets_every_byte(runs_root, tmp_path):
     gate = tmp_path / "gate"
     run = waits_then_prints.distributed(str(gate), 3)
     received = bytearray()
     with subprocess.Popen([sys.executable, "-m", "fanrun", "logs", run.id, "-f"], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE) as follower:
-        # The run prints 3 MB while the follower's pipe is read slowly: its queue in the runner
-        # fills, the runner drops it, and it connects again from its offset.
+        # The run prints 3.3 MB while nobody reads the follower's pipe: more than the pipe, the
+        # socket and the follower's queue in the runner (1 MiB) hold, so the runner drops it, and
+        # it connects again from its offset, or reads on from the log once the run has ended.
         gate.touch()
+        wait_for_log(run, 30_000 * len(f"[rank0]: {'y' * 99}\n"))
         while chunk := follower.stdout.read1(256 * 1024):
             received += chunk
-            time.sleep(0.05)
+            time.sleep(0.01)
         err = follower.communicate(timeout=60)[1]
     assert follower.returncode == 0, err
     assert run.wait(timeout=60) == "FINISHED"
