@@ -298,7 +298,11 @@ def test_a_damaged_run_is_listed_as_damaged_and_every_other_run_still_lists(runs
         for name, why in damaged.items():
             assert rows[name].split()[1] == "DAMAGED" and why in rows[name], (name, listed.stdout)
         assert "FOLLOWED" not in listed.stdout
-    assert [run.id for run in fanrun.runs(all=True)][-1] == good.id  # damaged entries are runs too, oldest first
+    listed_runs = fanrun.runs(all=True)
+    assert [run.id for run in listed_runs][-1] == good.id  # damaged entries are runs too, oldest first
+    assert all(" DAMAGED>" in repr(run) for run in listed_runs[:-1])
+    with pytest.raises(fanrun.FanrunError, match="its state.json is not JSON"):
+        fanrun.Run("damaged0-20261201-000000-abcdef")
     for name, why in damaged.items():
         logs = cli("logs", name)
         assert logs.returncode == 1 and "Traceback" not in logs.stderr, logs.stderr

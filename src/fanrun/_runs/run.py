@@ -147,7 +147,7 @@ class Run:
             return log.read()
 
     def __repr__(self) -> str:
-        return f"<fanrun.Run {self.id} {self.status}>"
+        return f"<fanrun.Run {self.id} {_status(self)[0]}>"  # DAMAGED or UNKNOWN rather than an error
 
 
 def submit(workload, *, cwd: str, idempotency_key: str | None = None, ray_address: str | None = None) -> Run:
