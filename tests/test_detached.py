@@ -170,7 +170,7 @@ def test_logs_follow_one_rank_from_a_shell(tmp_path):
     assert follower.returncode == 0, err
     assert out == "".join(f"step {step} of rank 1\n" for step in range(5))
     listed = subprocess.run([sys.executable, "-m", "fanrun", "list", "--all"], capture_output=True, text=True, timeout=60)
-    assert any(line.startswith(f"{run.id}  FINISHED") for line in listed.stdout.splitlines()), listed.stdout
+    assert [run.id, "FINISHED"] in [line.split()[:2] for line in listed.stdout.splitlines()], listed.stdout
     assert wait_gone([runner_pid(run)], timeout=10) == []
 
 

@@ -67,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         return _cli_runs.main(options)
     if options.command == "stacks":
         from ._launch import stacks
+        from ._terminal_text import printable
 
         try:
-            print(stacks.of_run(options.run))
+            print(printable(str(stacks.of_run(options.run))))  # a rank's log: its escape sequences stay there
         except StacksError as error:
-            print(f"fanrun: {error}", file=sys.stderr)
+            print(f"fanrun: {printable(str(error), keep='')}", file=sys.stderr)
             return 2
         return 0
     if options.command == "ui":

@@ -45,20 +45,25 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 def main(options: argparse.Namespace) -> int:
     from ._errors import FanrunError, UnknownRunError
     from ._runs import run as runs
+    from ._terminal_text import printable
 
     try:
         if options.command == "submit":
             return _submit(options)
         if options.command == "list":
-            for run in runs.runs(all=options.all):
-                print(runs.describe(run))
+            found = runs.runs(all=options.all)
+            if found:
+                print("\n".join(runs.table(found)))
+            else:
+                print(f"fanrun: no runs {'at all' if options.all else 'queued or running (--all: those that ended too)'}",
+                      file=sys.stderr)
             return 0
         run = runs.Run(options.run)
         if options.command == "logs":
             if options.follow:
                 run.logs(rank=options.rank, follow=True)
             else:
-                sys.stdout.write(run.logs(rank=options.rank))
+                sys.stdout.write(printable(run.logs(rank=options.rank)))
             return 0
         if options.command == "attach":
             run.logs(follow=True)
@@ -68,10 +73,10 @@ def main(options: argparse.Namespace) -> int:
         print(f"fanrun: run {run.id} {status}{_reason(run)}", file=sys.stderr)
         return EXIT_STATUS.get(status, 1) if options.command == "attach" else 0
     except UnknownRunError as error:
-        print(f"fanrun: {error}", file=sys.stderr)
+        print(f"fanrun: {printable(str(error), keep='')}", file=sys.stderr)
         return 2
-    except FanrunError as error:  # a Ray job's cluster that does not answer
-        print(f"fanrun: {error}", file=sys.stderr)
+    except FanrunError as error:  # a damaged run; a Ray job's cluster that does not answer
+        print(f"fanrun: {printable(str(error), keep='')}", file=sys.stderr)
         return 1
 
 
@@ -143,5 +148,8 @@ def _started(run, options: argparse.Namespace) -> int:
 
 
 def _reason(run) -> str:
+    """Why the run ended as it did, as one line: a rank's exception text, without its control characters."""
+    from ._terminal_text import printable
+
     reason = run.info.get("reason")
-    return f": {reason}" if reason else ""
+    return f": {printable(reason, keep='')}" if reason else ""

@@ -61,7 +61,7 @@ def test_a_two_node_workload_runs_as_a_ray_job_and_gives_its_results(cluster, jo
     assert run.result() == [[rank, "green"] for rank in range(4)]
     assert run.logs(rank=2) == "step 0 of rank 2 on node 1\nstep 1 of rank 2 on node 1\n"
     listed = subprocess.run([sys.executable, "-m", "fanrun", "list", "--all"], capture_output=True, text=True, timeout=60)
-    assert any(line.startswith(f"{run_id}  FINISHED") for line in listed.stdout.splitlines()), listed.stdout
+    assert [run_id, "FINISHED"] in [line.split()[:2] for line in listed.stdout.splitlines()], listed.stdout
 
 
 def test_cancelling_a_ray_job_stops_every_rank_on_every_node(cluster, jobs_address, tmp_path):

@@ -12,7 +12,8 @@ import socket
 import time
 from pathlib import Path
 
-from .._errors import StacksError
+from .._errors import StacksError, UnsafePathError
+from .._private_dir import open_private
 from .._rank.worker import STACK_DUMP_SIGNAL
 from . import running_calls
 from .file_changes import FileChanges
@@ -61,15 +62,60 @@ def of_run(run_id: str) -> Stacks:
     if not run_id or "/" in run_id or run_id.startswith("."):
         raise StacksError(f"{run_id!r} is not a run id; a run id is a folder name under {root}")
     directory = root / run_id
-    try:
-        record = json.loads((directory / running_calls.RANKS_FILE).read_text())
-    except FileNotFoundError:
-        what = "no such run" if not directory.exists() else \
-            "it is not running (or its ranks run on a Ray cluster, which `fanrun stacks` cannot reach yet)"
-        raise StacksError(f"run {run_id}: {what} under {root}") from None
+    record = _read_record(directory, run_id, root)
     if record["host"] != socket.gethostname():
         raise StacksError(f"run {run_id} runs on {record['host']}: run `fanrun stacks {run_id}` there")
     return Stacks(run_id, _dump(directory, [tuple(rank) for rank in record["ranks"]]))
+
+
+def _read_record(directory: Path, run_id: str, root: Path) -> dict:
+    """The run's ranks.json, read without following a link, and checked: StacksError, saying
+    what is wrong, for one that is missing or not as running_calls.add() writes it."""
+    damaged = f"run {run_id}: its {running_calls.RANKS_FILE} is damaged"
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StacksError(f"run {run_id}: no such run under {root}") from None
+    except OSError as error:
+        raise StacksError(f"run {run_id}: {directory} is not a run's directory ({os.strerror(error.errno or 0)})") from None
+    try:
+        fd = open_private(dir_fd, running_calls.RANKS_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        raise StacksError(f"run {run_id}: it is not running (or its ranks run on a Ray cluster, which `fanrun stacks` "
+                          f"cannot reach yet) under {root}") from None
+    except (UnsafePathError, OSError) as error:
+        raise StacksError(f"{damaged} ({error})") from None
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as file:
+        data = file.read()
+    try:
+        record = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise StacksError(f"{damaged}: it is not JSON ({len(data)} bytes)") from None
+    why = _what_is_wrong(record)
+    if why is not None:
+        raise StacksError(f"{damaged}: {why}")
+    return record
+
+
+def _what_is_wrong(record: object) -> str | None:
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    if not isinstance(record.get("host"), str):
+        return "it names no host"
+    ranks = record.get("ranks")
+    if not isinstance(ranks, list) or not ranks:
+        return "it lists no ranks"
+    for rank, entry in enumerate(ranks):
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_int(entry[0]) and entry[0] > 0
+                and (entry[1] is None or _is_int(entry[1]))):
+            return f"rank {rank} is not a [pid, start time] pair"
+    return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str]:
@@ -132,6 +178,10 @@ def _size(path: Path) -> int:
 
 
 def _read_from(path: Path, offset: int) -> bytes:
-    with open(path, "rb") as file:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link in place of a log is not read
+    except FileNotFoundError:
+        return b""
+    with os.fdopen(fd, "rb") as file:
         file.seek(offset)
         return file.read()

@@ -14,7 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-from .._errors import FanrunError, RemoteTraceback, RunCancelledError
+from .._errors import FanrunError, RemoteTraceback, RunCancelledError, UnknownRunError
+from .._private_dir import open_private
+from .._terminal_text import printable
 from . import ray_job, store, stream
 
 # How long start() waits for the runner to be up (its imports: fanrun, cloudpickle).
@@ -31,6 +33,17 @@ class Run:
         self.id = run_id
         job = store.state(self._directory).get("ray_job")
         self._job = ray_job.RayJob(self._directory, job["address"]) if job is not None else None
+
+    @classmethod
+    def _listed(cls, directory: Path) -> Run:
+        """A run of a listing. A damaged one is listed too: reading its status raises
+        store.DamagedRunError, which says what is wrong with it."""
+        try:
+            return cls(directory.name)
+        except store.DamagedRunError:
+            run = cls.__new__(cls)
+            run._directory, run.id, run._job = directory, directory.name, None
+            return run
 
     @property
     def status(self) -> str:
@@ -65,7 +78,7 @@ class Run:
         state = store.state(self._directory)
         if state["status"] in store.FINAL:
             return state["status"]
-        runner = store.read_json(self._directory, store.RUNNER)
+        runner = store.read_runner(self._directory)
         if runner is not None:
             _wait_for_process(runner["pid"], runner["start"], timeout)
         return store.state(self._directory)["status"]
@@ -99,7 +112,7 @@ class Run:
             if self.status not in store.FINAL:
                 self._job.cancel()
             return self.wait(CANCEL_WAIT_S)
-        runner = store.read_json(self._directory, store.RUNNER)
+        runner = store.read_runner(self._directory)
         if runner is not None and store.state(self._directory)["status"] not in store.FINAL:
             # Only the runner recorded for this run, not a later process with its pid.
             if store.process_start(runner["pid"]) == runner["start"]:
@@ -120,13 +133,21 @@ class Run:
         if run_dir is None:
             return b""
         try:
-            with open(Path(run_dir) / f"rank_{int(rank)}.log", "rb") as log:
-                return log.read()
+            # Neither the run's directory nor the log is a link followed (the state could name any).
+            dir_fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return b""
+        try:
+            fd = open_private(dir_fd, f"rank_{int(rank)}.log", os.O_RDONLY)
+        except FileNotFoundError:
+            return b""
+        finally:
+            os.close(dir_fd)
+        with os.fdopen(fd, "rb") as log:
+            return log.read()
 
     def __repr__(self) -> str:
-        return f"<fanrun.Run {self.id} {self.status}>"
+        return f"<fanrun.Run {self.id} {_status(self)[0]}>"  # DAMAGED or UNKNOWN rather than an error
 
 
 def submit(workload, *, cwd: str, idempotency_key: str | None = None, ray_address: str | None = None) -> Run:
@@ -185,27 +206,54 @@ def attach(run_id: str) -> Run:
 
 def runs(all: bool = False) -> list[Run]:  # noqa: A002 - the CLI's --all
     """This user's detached runs, oldest first: those not ended yet, or every one with all=True."""
-    found = [Run(directory.name) for directory in store.all_runs()]
+    found = []
+    for directory in store.all_runs():
+        try:
+            found.append(Run._listed(directory))
+        except UnknownRunError:
+            continue  # removed since it was listed
     return found if all else [run for run in found if _status(run)[0] not in store.FINAL]
 
 
-def describe(run: Run) -> str:
-    """One line of `fanrun list`."""
+COLUMNS = ("RUN", "STATUS", "STARTED", "TOOK", "WHY")
+
+
+def table(found: list[Run]) -> list[str]:
+    """The lines of `fanrun list`: a header, then one line per run, in aligned columns. No text
+    of a run reaches the terminal with a control character in it (_terminal_text.py)."""
+    rows = [COLUMNS] + [tuple(printable(cell, keep="") for cell in _row(run)) for run in found]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(COLUMNS) - 1)]
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(width) if column == 3 else cell.ljust(width)
+                 for column, (cell, width) in enumerate(zip(row, widths))]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+    return lines
+
+
+def _row(run: Run) -> tuple[str, str, str, str, str]:
     status, problem = _status(run)
-    info = run.info
-    started = datetime.datetime.fromtimestamp(info.get("created", 0)).strftime("%Y-%m-%d %H:%M:%S")
-    ended = info.get("ended")
-    took = f"{(ended or time.time()) - info.get('created', 0):.0f} s"
-    reason = problem or info.get("reason")
-    return f"{run.id}  {status:<8}  {started}  {took:>8}{f'  {reason}' if reason else ''}"
+    try:
+        info = run.info  # what is on disk: a Ray job's too, when its cluster does not answer
+    except FanrunError as error:
+        status, problem, info = _damaged_or_unknown(error), problem or str(error), {}
+    created, ended = info.get("created"), info.get("ended")
+    started = "-" if created is None else datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+    took = "-" if created is None else f"{(ended or time.time()) - created:.0f} s"
+    reason = problem or info.get("reason") or ""
+    return run.id, status, started, took, reason.split("\n", 1)[0]
 
 
 def _status(run: Run) -> tuple[str, str | None]:
-    """The run's status, or UNKNOWN and why: a Ray job's cluster that does not answer."""
+    """The run's status, or DAMAGED or UNKNOWN (a Ray job's cluster that does not answer) and why."""
     try:
         return run.status, None
     except FanrunError as error:
-        return "UNKNOWN", str(error)
+        return _damaged_or_unknown(error), str(error)
+
+
+def _damaged_or_unknown(error: FanrunError) -> str:
+    return "DAMAGED" if isinstance(error, store.DamagedRunError) else "UNKNOWN"
 
 
 def _package_parent() -> str:

@@ -5,6 +5,10 @@ it ends, even by SIGKILL. It is the call's caller from then on: it runs the call
 `.distributed()` would (the engine's supervisor, the ranks' keepers, tracking), with its output
 going to the run's Broadcast (stream.py), and records the state and the outcome (store.py).
 SIGTERM (Run.cancel) stops the ranks as Ctrl+C stops a blocking call's.
+
+A full disk never loses the run's end: the runner holds room for its last writes from the start
+(store.reserve_room), its output stops where the disk is full while the run goes on, and the run
+ends FAILED with the reason "disk full: ..." in the room it held.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import traceback
 from pathlib import Path
 
 from .. import _call
-from .._errors import RemoteTraceback, raised_for_the_caller
+from .._errors import FanrunError, RemoteTraceback, raised_for_the_caller
 from . import store, stream
 
 
@@ -29,6 +33,7 @@ class Cancelled(BaseException):
 def main() -> None:
     directory = Path(sys.argv[1])
     store.write_json(directory, store.RUNNER, store.runner_identity())
+    store.reserve_room(directory)  # a disk too full for it fails the start, which the caller reports
     spec = pickle.loads(store.read_bytes(directory, store.SPEC))
     sys.path[:] = spec["sys_path"]
     os.chdir(spec["cwd"])
@@ -40,10 +45,31 @@ def main() -> None:
     sys.stdout, sys.stderr = broadcast.stdout, broadcast.stderr
     try:
         status, outcome, reason = _run(spec, directory)
-        store.write_bytes(directory, store.OUTCOME, outcome)
-        store.update_state(directory, status=status, ended=time.time(), reason=reason)
+        if broadcast.log_error is not None:
+            status, outcome, reason = _lost_output(broadcast.log_error, status, reason)
+        _record_end(directory, status, outcome, reason)
     finally:
         broadcast.close()
+
+
+def _lost_output(log_error: str, status: str, reason: str) -> tuple[str, bytes, str]:
+    """A run whose output could not all be kept fails, whatever the call did: it is said why."""
+    reason = f"{log_error}; the call itself ended {status}{f' ({reason})' if reason else ''}"
+    return store.FAILED, failure(FanrunError(f"the run's output was not kept: {reason}")), reason
+
+
+def _record_end(directory: Path, status: str, outcome: bytes, reason: str) -> None:
+    """outcome.pkl, then the final state, in the room held for them since the start."""
+    store.release_room(directory)
+    try:
+        store.write_bytes(directory, store.OUTCOME, outcome)
+    except OSError as error:
+        if error.errno not in store.NO_ROOM:
+            raise
+        reason = f"disk full: its outcome ({len(outcome)} bytes) could not be written; the call itself ended {status}"
+        status = store.FAILED
+        store.write_bytes(directory, store.OUTCOME, failure(FanrunError(f"the run's outcome was not kept: {reason}")))
+    store.update_state(directory, status=status, ended=time.time(), reason=reason)
 
 
 def cancel(signo, frame) -> None:
@@ -74,8 +100,13 @@ def _run(spec: dict, directory: Path) -> tuple[str, bytes, str]:
 
         def record(paths) -> None:
             # Each attempt, once its GPUs are free: QUEUED until then.
-            store.update_state(directory, status=store.RUNNING, started=time.time(), run_dir=str(paths.directory),
-                               world_size=plan.world_size)
+            try:
+                store.update_state(directory, status=store.RUNNING, started=time.time(), run_dir=str(paths.directory),
+                                   world_size=plan.world_size)
+            except OSError as error:
+                # A full disk: the run goes on, and its end is written in the room held for it.
+                if error.errno not in store.NO_ROOM:
+                    raise
 
         results = _call.run_call(spec["payload"], spec["name"], options, plan, inventory,
                                  rank_program=spec["program"], env=spec["env"], on_paths=record)
@@ -85,6 +116,8 @@ def _run(spec: dict, directory: Path) -> tuple[str, bytes, str]:
     except BaseException as error:  # noqa: B036 - whatever a blocking call would raise, recorded
         # As a blocking call shows it in the cell.
         traceback.print_exception(type(error), error, None if raised_for_the_caller(error) else error.__traceback__)
+        if isinstance(error, OSError) and error.errno in store.NO_ROOM:
+            return store.FAILED, failure(error), f"disk full: {error}"
         return store.FAILED, failure(error), f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     return store.FINISHED, cloudpickle.dumps({"results": results}), ""
 

@@ -7,6 +7,12 @@ to its user (0700, like the runs root above it, so nobody else can list, attach 
     output.log    everything the call printed, as a blocking call prints it in the cell
     outcome.pkl   the results, or the exception a blocking call would have raised
     attach.sock   while the runner lives: where attach() reads the output live (stream.py)
+    reserved      while the runner lives: room held on the disk for the final state, released
+                  just before it is written, so that a full disk never loses a run's end
+
+A run whose files cannot be read as fanrun writes them (not JSON, not its fields, a link, a file
+where a directory should be) is damaged: reading it raises DamagedRunError, which names what is
+wrong, and the other runs are read as ever.
 
 A run of a Ray job (ray_job.py) has state.json alone, naming the cluster, until it has ended.
 
@@ -17,6 +23,7 @@ whoever reads its state first: a crash at any point never leaves a run that clai
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
@@ -25,7 +32,7 @@ import secrets
 import time
 from pathlib import Path
 
-from .._errors import UnknownRunError
+from .._errors import FanrunError, UnknownRunError
 from .._launch.paths import open_runs_root
 from .._private_dir import open_private, open_private_subdir, replace_private
 
@@ -38,6 +45,12 @@ RUNNER = "runner.json"
 OUTPUT = "output.log"
 OUTCOME = "outcome.pkl"
 SOCKET = "attach.sock"
+RESERVED = "reserved"
+STATUSES = (QUEUED, RUNNING, *FINAL)
+# What the runner holds for its last writes: state.json and, on a full disk, a failure's outcome.
+RESERVED_BYTES = 128 * 1024
+# The errors of a disk (or a quota) that has no room left.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 # A run's id: the function's name, the time to the second, and a random part.
 _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,40}-\d{8}-\d{6}-[0-9a-f]{6}")
@@ -45,6 +58,10 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,40}-\d{8}-\d{6}-[0-9a-f]{6}")
 STARTING_S = 60.0
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _REMEDY = "Remove it so that fanrun makes it afresh, or set FANRUN_RUNS_DIR to a directory of your own."
+
+
+class DamagedRunError(FanrunError):
+    """A run's directory or files are not as fanrun writes them; the message says what is wrong."""
 
 
 def root() -> tuple[Path, int]:
@@ -114,14 +131,22 @@ def find(run_id: str) -> Path:
         raise UnknownRunError(f"{run_id!r} is not a run id (a run id looks like train-20261201-140512-a3f9c1; "
                               f"`fanrun list --all` shows yours)")
     parent, parent_fd = root()
+    os.close(parent_fd)
     try:
-        fd = os.open(run_id, _DIRECTORY_FLAGS, dir_fd=parent_fd)
-    except FileNotFoundError:
+        _check_directory(parent / run_id)
+    except UnknownRunError:
         raise UnknownRunError(f"no run {run_id} in {parent} (`fanrun list --all` shows your runs)") from None
-    finally:
-        os.close(parent_fd)
-    os.close(fd)
     return parent / run_id
+
+
+def _not_a_directory(path: Path, error: OSError) -> str:
+    """What is at `path` instead of a run's directory, as the error of opening it tells."""
+    if error.errno in (errno.ELOOP, errno.ENOTDIR):
+        try:
+            return "a symbolic link, which fanrun never follows" if os.path.islink(path) else "a file"
+        except OSError:
+            pass
+    return f"unreadable ({os.strerror(error.errno or 0)})"
 
 
 def all_runs() -> list[Path]:
@@ -166,17 +191,20 @@ def read_json(directory: Path, name: str) -> dict | None:
 
 def update_state(directory: Path, **changes: object) -> dict:
     """Written by the runner alone once it runs (and before, by the caller that starts it)."""
-    state = {**(read_json(directory, STATE) or {}), **changes, "updated": time.time()}
+    state = {**(_read_checked(directory, STATE, _check_state) or {}), **changes, "updated": time.time()}
     write_json(directory, STATE, state)
     return state
 
 
 def state(directory: Path) -> dict:
-    """The run's state; a run whose runner has ended without a final state is marked FAILED."""
-    current = read_json(directory, STATE) or {"status": FAILED, "reason": "its state file is missing"}
+    """The run's state; a run whose runner has ended without a final state is marked FAILED
+    (on disk where it can be written: a reader on a full disk still gets it). DamagedRunError
+    where state.json or runner.json is not as fanrun writes it."""
+    _check_directory(directory)
+    current = read_state(directory) or {"status": FAILED, "reason": "its state file is missing"}
     if current["status"] in FINAL or "ray_job" in current:  # a Ray job's is the cluster's to tell (ray_job.py)
         return current
-    runner = read_json(directory, RUNNER)
+    runner = read_runner(directory)
     if runner is None:
         if time.time() - current.get("created", 0) < STARTING_S:
             return current  # being started
@@ -186,10 +214,109 @@ def state(directory: Path) -> dict:
     else:
         reason = f"its runner (pid {runner['pid']}) ended without recording an outcome"
     # The runner may have written its final state just before it ended.
-    current = read_json(directory, STATE) or current
+    current = read_state(directory) or current
     if current["status"] in FINAL:
         return current
-    return update_state(directory, status=FAILED, reason=reason, ended=time.time())
+    marked = {**current, "status": FAILED, "reason": reason, "ended": time.time()}
+    try:
+        return update_state(directory, status=FAILED, reason=reason, ended=marked["ended"])
+    except OSError:
+        return marked  # a full or read-only disk: the next reader marks it
+
+
+def _check_directory(directory: Path) -> None:
+    """DamagedRunError where a run's name is a file or a link; UnknownRunError where it is gone."""
+    try:
+        os.close(os.open(directory, _DIRECTORY_FLAGS))
+    except FileNotFoundError:
+        raise UnknownRunError(f"run {directory.name} is gone from {directory.parent}") from None
+    except OSError as error:
+        raise DamagedRunError(f"{directory} is {_not_a_directory(directory, error)}, not a run's directory; "
+                              f"remove it if it is not yours to keep") from None
+
+
+def read_state(directory: Path) -> dict | None:
+    """state.json, checked (DamagedRunError where it is not as fanrun writes it); None if missing."""
+    return _read_checked(directory, STATE, _check_state)
+
+
+def read_runner(directory: Path) -> dict | None:
+    """runner.json, checked as state.json is."""
+    return _read_checked(directory, RUNNER, _check_runner)
+
+
+def _read_checked(directory: Path, name: str, check) -> dict | None:
+    try:
+        data = read_bytes(directory, name)
+    except (FanrunError, OSError) as error:  # a link, a directory, another user's file
+        raise DamagedRunError(f"its {name} cannot be read: {error}") from None
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise DamagedRunError(f"its {name} is not JSON ({len(data)} bytes)") from None
+    why = check(value) if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+    if why is not None:
+        raise DamagedRunError(f"its {name} is damaged: {why}")
+    return value
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) < 1e11
+
+
+def _check_state(value: dict) -> str | None:
+    if value.get("status") not in STATUSES:
+        return f"its status is none of {', '.join(STATUSES)}"
+    for field in ("created", "started", "ended", "updated"):
+        if field in value and not _is_number(value[field]):
+            return f"its {field} is not a time"
+    for field in ("name", "reason", "run_dir"):
+        if value.get(field) is not None and not isinstance(value[field], str):
+            return f"its {field} is not text"
+    job = value.get("ray_job")
+    if job is not None and not (isinstance(job, dict) and isinstance(job.get("address"), str)):
+        return "its ray_job names no address"
+    return None
+
+
+def _check_runner(value: dict) -> str | None:
+    pid, start = value.get("pid"), value.get("start")
+    if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31):
+        return "its pid is not a process id"
+    if start is not None and not (isinstance(start, int) and not isinstance(start, bool)):
+        return "its start is not a start time"
+    return None
+
+
+def reserve_room(directory: Path) -> None:
+    """Holds RESERVED_BYTES of the run's disk for its last writes; OSError where it has not that much."""
+    dir_fd = os.open(directory, _DIRECTORY_FLAGS)
+    try:
+        fd = open_private(dir_fd, RESERVED, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    finally:
+        os.close(dir_fd)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, RESERVED_BYTES)  # blocks on the disk, not a hole that takes nothing
+        except OSError as error:
+            if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.write(fd, bytes(RESERVED_BYTES))  # a file system that allocates no room ahead: zeros hold it
+    finally:
+        os.close(fd)
+
+
+def release_room(directory: Path) -> None:
+    """Gives back the room reserve_room() held, just before the writes it was held for."""
+    dir_fd = os.open(directory, _DIRECTORY_FLAGS)
+    try:
+        os.unlink(RESERVED, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(dir_fd)
 
 
 def runner_identity() -> dict:
