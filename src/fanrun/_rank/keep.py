@@ -96,30 +96,61 @@ def _kill_and_reap(spared: set[int], deadline: float) -> list[int] | None:
 
 def _descendants() -> list[int]:
     """Every process below this one that is alive, and this one's own children that have ended
-    unreaped, found through each process's parent in /proc. (The others that have ended are
-    their parents' to reap; where a parent dies first, they come to this subreaper.)"""
+    unreaped. (The others that have ended are their parents' to reap; where a parent dies
+    first, they come to this subreaper.)"""
     me = os.getpid()
-    children: dict[int, list[tuple[int, bool]]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as stat:
-                fields = stat.read()
-        except OSError:
-            continue  # ended meanwhile
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        state, parent = fields[fields.rindex(b")") + 2:].split()[:2]
-        children.setdefault(int(parent), []).append((int(name), state == b"Z"))
+    children_of = _children_from_lists if os.path.exists("/proc/thread-self/children") else _children_from_scan()
     found: list[int] = []
     pending = [me]
     while pending:
         parent = pending.pop()
-        for child, ended in children.get(parent, ()):
-            if not ended or parent == me:
+        for child in children_of(parent):
+            if parent == me or not _ended(child):
                 found.append(child)
             pending.append(child)
     return found
+
+
+def _children_from_lists(pid: int) -> list[int]:
+    """The kernel's lists of a process's children, one for each of its threads (any may fork)."""
+    children = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children  # ended meanwhile
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as listed:
+                children += [int(child) for child in listed.read().split()]
+        except OSError:
+            pass
+    return children
+
+
+def _children_from_scan():
+    """Without the kernel's lists (CONFIG_PROC_CHILDREN), every process's parent from its stat."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            parent = _stat_fields(int(name))[1:2]
+            if parent:
+                children.setdefault(int(parent[0]), []).append(int(name))
+    return lambda pid: children.get(pid, [])
+
+
+def _ended(pid: int) -> bool:
+    return _stat_fields(pid)[:1] in ([b"Z"], [])
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of /proc/<pid>/stat after the command's name (state, parent, ...); [] once gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read()
+    except OSError:
+        return []
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    return fields[fields.rindex(b")") + 2:].split()
 
 
 def _multiprocessing_helpers() -> dict[str, int]:
