@@ -228,7 +228,76 @@ def test_an_enlarged_item_length_fails_before_any_byte_moves(tmp_path):
     assert torch.equal(buffer, torch.full((1024 + 64,), -1.0)), "bytes were written into or past the tensor"
     text = str(failure.value)
     assert "CheckpointCorruptError" in text, text
-    assert "'w' is 4352 bytes long in the checkpoint's metadata, but its destination holds 4096" in text, text
+    assert "gives item 'w' a length of 4352 bytes, but its shape (1024,) of float32 holds 4096" in text, text
+
+
+# Damage to each field of an item's location, as a crafted metadata file (with a record made to
+# agree with it) would hold it: the field and what it is set to. Item 'w' is float32 (16, 16).
+DAMAGED_FIELDS = [
+    ("offset", -1), ("offset", -4096), ("offset", True), ("offset", "0"), ("offset", 1.0), ("offset", None),
+    ("offset", 1 << 64), ("offset", 1 << 40),
+    ("length", -1), ("length", False), ("length", 1024.0), ("length", 1 << 63), ("length", 1 << 20), ("length", 1020),
+    ("crc32c", -1), ("crc32c", 1 << 32), ("crc32c", None), ("crc32c", "0"),
+    ("dtype", "nonsense"), ("dtype", "nn"), ("dtype", "__class__"), ("dtype", 7), ("dtype", None),
+    ("shape", None), ("shape", (-16, -16)), ("shape", (16, 8)), ("shape", [16, 16]), ("shape", (16.0, 16)),
+    ("shape", (True, 16 * 16)), ("shape", "16x16"),
+    ("file", "r9-other.data"), ("file", 5), ("file", None), ("file", ".."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value"), DAMAGED_FIELDS, ids=[f"{f}={v!r}" for f, v in DAMAGED_FIELDS])
+def test_each_damaged_field_of_an_item_is_refused_naming_the_item_before_any_byte_moves(tmp_path, field, value):
+    """Every field of an item's location (file, offset, length, CRC32C, dtype, shape) is checked,
+    by type and by range, against the others and against the file sizes the record gives, in one
+    place before anything is read: damage to any of them is a CheckpointCorruptError naming the
+    item and the value, never a TypeError of the engine's arguments, and no byte is loaded."""
+    import fsspec
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fanrun.data import CheckpointCorruptError, VolumeReader, VolumeWriter
+
+    save_here(small_state(), VolumeWriter(tmp_path / "ckpt"))
+    rewrite_metadata(
+        fsspec.filesystem("file"),
+        str(tmp_path / "ckpt"),
+        lambda index, loc: dataclasses.replace(loc, **{field: value}) if index.fqn == "w" else loc,
+    )
+    into = empty_like(small_state())
+    with pytest.raises(CheckpointException) as error:
+        load_here(into, VolumeReader(tmp_path / "ckpt"))
+    failure, _ = error.value.failures[0]
+    assert isinstance(failure, CheckpointCorruptError), repr(failure)
+    assert "item 'w'" in str(failure) and "nothing was read" in str(failure), str(failure)
+    assert repr(value) in str(failure) or str(value) in str(failure), str(failure)
+    assert all(not torch.is_tensor(v) or not v.any() for v in into.values()), "bytes were loaded"
+
+
+@pytest.mark.parametrize("damage", ["not a location", "not an item's key"])
+def test_an_item_entry_that_is_not_a_location_or_whose_key_names_no_item_is_refused(tmp_path, damage):
+    """The entries of storage_data themselves: a location that is not one, a key with no name."""
+    import fsspec
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fanrun.data import CheckpointCorruptError, VolumeReader, VolumeWriter
+
+    fs, checkpoint = fsspec.filesystem("file"), str(tmp_path / "ckpt")
+    save_here(small_state(), VolumeWriter(checkpoint))
+    if damage == "not a location":
+        rewrite_metadata(fs, checkpoint, lambda index, loc: tuple(dataclasses.astuple(loc)) if index.fqn == "w" else loc)
+    else:
+        record = json.loads(fs.cat_file(f"{checkpoint}/{RECORD}"))
+        metadata = pickle.loads(fs.cat_file(f"{checkpoint}/{record['metadata']}"))
+        metadata.storage_data = {(index.fqn if index.fqn == "w" else index): loc for index, loc in metadata.storage_data.items()}
+        data = pickle.dumps(metadata)
+        fs.pipe_file(f"{checkpoint}/{record['metadata']}", data)
+        record["metadata_size"], record["metadata_crc32c"] = len(data), crc32c(data)
+        fs.pipe_file(f"{checkpoint}/{RECORD}", json.dumps(record).encode())
+    with pytest.raises(CheckpointException) as error:
+        load_here(empty_like(small_state()), VolumeReader(checkpoint))
+    failure, _ = error.value.failures[0]
+    assert isinstance(failure, CheckpointCorruptError), repr(failure)
+    assert ("item 'w' the location (" if damage == "not a location" else "whose key 'w' names no item") in str(failure)
 
 
 # ---------------------------------------------------------------- names and the pickle

@@ -389,6 +389,44 @@ def test_dcp_file_names_stay_inside_the_checkpoint(tmp_path):
         load_here({"w": torch.zeros(8)}, VolumeReader(tmp_path / "linked"))
 
 
+DAMAGED_DCP_FIELDS = [
+    ("offset", -1), ("offset", True), ("offset", "0"), ("offset", None), ("offset", 1 << 64),
+    ("length", -1), ("length", 1.5), ("length", None), ("length", 1 << 63),
+    ("relative_path", None), ("relative_path", ".."), ("relative_path", "a\\b\x00"),
+    ("transform_descriptors", "stream.zstd/1"), ("transform_descriptors", [7]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value"), DAMAGED_DCP_FIELDS, ids=[f"{f}={v!r}" for f, v in DAMAGED_DCP_FIELDS])
+def test_each_damaged_field_of_a_dcp_item_is_refused_naming_the_item(tmp_path, field, value):
+    """A .metadata whose storage_data gives an item a negative, huge or non-integer offset or
+    length, a file name that is not one, or transforms that are not names, is refused with a
+    CheckpointCorruptError naming the item before a byte of data is read."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fanrun.data import CheckpointCorruptError, VolumeReader
+
+    save_here({"w": torch.arange(8.0), "v": torch.ones(4)}, FileSystemWriter(tmp_path / "dcp"))
+
+    def damage(metadata):
+        for index, info in metadata.storage_data.items():
+            if index.fqn == "w":
+                metadata.storage_data[index] = dataclasses.replace(info, **{field: value})
+
+    rewrite_dcp_metadata(tmp_path / "dcp", damage)
+    into = {"w": torch.zeros(8), "v": torch.zeros(4)}
+    with pytest.raises(CheckpointException) as error:
+        load_here(into, VolumeReader(tmp_path / "dcp"))
+    failure, _ = error.value.failures[0]
+    assert isinstance(failure, CheckpointCorruptError), repr(failure)
+    assert "item 'w'" in str(failure) and (repr(value) in str(failure) or str(value) in str(failure)), str(failure)
+    assert not into["w"].any() and not into["v"].any()
+
+
 def test_a_short_dcp_data_file_names_the_file_and_the_item(tmp_path):
     """A .distcp file cut short fails the load with CheckpointCorruptError naming the file and
     the item, not with whatever torch.load makes of the bytes left."""

@@ -8,7 +8,10 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from fanrun._accelerators import Gpu
+from fanrun._errors import UnsafePathError
 from fanrun._launch import gpu_locks
 
 GPUS = (Gpu(0, "Test GPU", "GPU-fanrun-test-0", 1 << 30), Gpu(1, "Test GPU", "GPU-fanrun-test-1", 1 << 30))
@@ -51,3 +54,19 @@ def test_free_gpus_are_taken_without_a_word():
     with gpu_locks.hold((), holder="'no GPU'", on_busy=told.append):
         pass
     assert told == []
+
+
+@pytest.mark.parametrize("uuid", ["../../escaped", "GPU-1/../../escaped", "{tmp}/escaped", "GPU-", "GPU-a\x00b", ""])
+def test_a_gpu_uuid_that_is_not_one_is_refused_naming_it_and_nothing_is_made(uuid, tmp_path, monkeypatch):
+    """The lock's file name is made of the GPU's UUID: one that is not a UUID (a path, '..', a
+    NUL) is refused, naming it, before any lock file is opened, so that nothing is made outside
+    locks/ (nor in it)."""
+    monkeypatch.setenv("FANRUN_RUNS_DIR", str(tmp_path / "runs" / "root"))
+    monkeypatch.chdir(tmp_path)
+    uuid = uuid.format(tmp=tmp_path)
+    planted = (Gpu(0, "Test GPU", "GPU-fanrun-test-0", 1 << 30), Gpu(1, "Planted GPU", uuid, 1 << 30))
+    with pytest.raises(UnsafePathError) as refused:
+        with gpu_locks.hold(planted, holder="'this call'", on_busy=print):
+            pass
+    assert f"GPU 1 (Planted GPU) has the UUID {uuid!r}, which is not a GPU UUID" in str(refused.value)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []

@@ -136,6 +136,70 @@ def test_ranks_that_torch_left_a_gloo_group_in_end_after_their_call(capfd):
     assert not set(ddp_step.distributed()) & set(pids)
 
 
+@distributed(num_accelerators=2, keep_alive=True)
+def starts_children():
+    """Starts a plain child, one in a session of its own and a double-forked one (whose parent
+    exits at once), each running `sleep` before this returns; the rank's pid and theirs."""
+    import os
+    import subprocess
+    import time
+
+    plain = subprocess.Popen(["sleep", "1000"])
+    session = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        daemon = os.fork()
+        if daemon == 0:
+            os.execvp("sleep", ["sleep", "1000"])
+        os.write(write_end, str(daemon).encode())
+        os._exit(0)
+    os.close(write_end)
+    daemon = int(os.read(read_end, 64))
+    os.close(read_end)
+    os.waitpid(middle, 0)
+    children = [plain.pid, session.pid, daemon]
+    for pid in children:
+        while open(f"/proc/{pid}/cmdline", "rb").read() != b"sleep\x001000\x00":
+            time.sleep(0.01)
+    return os.getpid(), children
+
+
+def test_a_kept_call_ends_every_process_it_started_and_its_ranks_serve_the_next():
+    """As a cold rank's keeper kills what the rank started when it exits, a kept rank kills
+    (and reaps) everything below it when its call is over: a plain child, one in its own
+    session, a double-forked one. The ranks stay, and take the next call."""
+    first = starts_children.distributed()
+    for rank, children in first:
+        assert [pid for pid in children if os.path.exists(f"/proc/{pid}")] == [], f"left by rank pid {rank}"
+    second = starts_children.distributed()
+    assert [rank for rank, _ in second] == [rank for rank, _ in first]
+    assert [pid for _, children in second for pid in children if os.path.exists(f"/proc/{pid}")] == []
+
+
+@distributed(num_accelerators=2, keep_alive=True)
+def uses_a_fork_server():
+    import multiprocessing
+    import multiprocessing.forkserver
+    import os
+
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:
+        values = pool.map(abs, [-1, -2])
+    return os.getpid(), multiprocessing.forkserver._forkserver._forkserver_pid, values
+
+
+def test_multiprocessing_fork_servers_a_kept_call_leaves_are_ended_and_start_afresh_in_the_next():
+    """multiprocessing's fork server (and its resource tracker) outlive a pool: they end with the
+    call too, their own way, so that the next call on the same ranks starts them afresh."""
+    first = uses_a_fork_server.distributed()
+    assert [values for _, _, values in first] == [[1, 2], [1, 2]]
+    assert [server for _, server, _ in first if os.path.exists(f"/proc/{server}")] == []
+    second = uses_a_fork_server.distributed()
+    assert [rank for rank, _, _ in second] == [rank for rank, _, _ in first]
+    assert [values for _, _, values in second] == [[1, 2], [1, 2]]
+
+
 # Long enough for a cold start on a loaded machine; the timeout test shortens it once the ranks are up.
 @distributed(num_accelerators=2, keep_alive=True, timeout=120)
 def sleeps(seconds):

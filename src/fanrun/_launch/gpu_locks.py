@@ -8,13 +8,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 from collections.abc import Callable, Iterator
 
 from .._accelerators import Gpu
+from .._errors import UnsafePathError
 from .._private_dir import open_private, open_private_subdir
 from .paths import open_runs_root
 
 _REMEDY = "Remove it so that fanrun makes it afresh, or set FANRUN_RUNS_DIR to a directory of your own."
+# What NVML's UUIDs look like ("GPU-" and hex digits in dashed groups), a little wider: the lock's
+# file name is made of it, so it must be one plain name inside locks/, never '..' or a path.
+_GPU_UUID = re.compile(r"GPU-[0-9A-Za-z-]{1,128}")
 
 
 @contextlib.contextmanager
@@ -24,11 +29,13 @@ def hold(gpus: tuple[Gpu, ...], holder: str, on_busy: Callable[[str], None]) -> 
     if not gpus:
         yield
         return
+    # Every name is checked before locks/ is opened, so that a bad one leaves nothing behind.
+    names = {gpu: lock_file_name(gpu) for gpu in gpus}
     held: list[int] = []
     locks_fd = _locks_dir()
     try:
         for gpu in sorted(gpus, key=lambda gpu: gpu.uuid):  # one order for everyone: no deadlock
-            fd = open_private(locks_fd, f"{gpu.uuid}.lock", os.O_RDWR | os.O_CREAT)
+            fd = open_private(locks_fd, names[gpu], os.O_RDWR | os.O_CREAT)
             held.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -43,6 +50,17 @@ def hold(gpus: tuple[Gpu, ...], holder: str, on_busy: Callable[[str], None]) -> 
         for fd in held:
             os.close(fd)  # and with it the lock
         os.close(locks_fd)
+
+
+def lock_file_name(gpu: Gpu) -> str:
+    """The name of a GPU's lock file in locks/, made of its UUID once the UUID is known to be one."""
+    if not isinstance(gpu.uuid, str) or not _GPU_UUID.fullmatch(gpu.uuid):
+        raise UnsafePathError(
+            f"GPU {gpu.nvml_index} ({gpu.name}) has the UUID {gpu.uuid!r}, which is not a GPU UUID ('GPU-' "
+            "followed by letters, digits and dashes); fanrun names the GPU's lock file after it, so it locks "
+            "nothing with this one. Check the GPUs the driver lists (nvidia-smi -L)"
+        )
+    return f"{gpu.uuid}.lock"
 
 
 def _locks_dir() -> int:

@@ -51,12 +51,16 @@ def main() -> None:
         if argv[1:3] != ["-u", "-c"] or argv[3] != worker["bootstrap_code"]():
             sys.exit(f"fanrun: a spare rank runs fanrun's worker, not {argv!r}")
         sys.argv = ["-c", *argv[4:]]
+        kept = os.environ.get(_contract["ENV_KEEP_ALIVE"]) == "1"
+        if kept and keep is None:
+            keep = runpy.run_path(os.path.join(here, "keep.py"))
+            keep["adopt_orphans"]()
         worker["main"]()  # a call that fails exits here
-        if os.environ.get(_contract["ENV_KEEP_ALIVE"]) != "1":
+        if not kept:
             return
-        keep = keep or runpy.run_path(os.path.join(here, "keep.py"))
         keep["end_process_group"]()
-        obstacle = keep["obstacle"]()
+        # A cold rank's call ends with every process it started (its keeper kills them): so does a kept one's.
+        obstacle = keep["obstacle"]() or keep["end_descendants"]()
         if obstacle is not None:
             if os.environ.get("RANK") == "0":
                 print(f"fanrun: the ranks end after this call instead of staying for the next (keep_alive): {obstacle}",

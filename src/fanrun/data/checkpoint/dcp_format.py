@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..._errors import CheckpointCorruptError
-from . import storage
+from . import metadata_checks, storage
 
 # The names torch's filesystem.py gives them (its _metadata_fn and DEFAULT_SUFFIX).
 METADATA_NAME = ".metadata"
@@ -62,10 +62,8 @@ class DcpCheckpointReader:
         target = storage.storage_for(self.path)
         # A pickle, as with DCP's own reader: a checkpoint must come from someone trusted.
         metadata = pickle.loads(target.read_bytes(target.join(self.path, METADATA_NAME)))
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CheckpointCorruptError(f"'{self.path}/{METADATA_NAME}' does not hold DCP's checkpoint metadata")
-        for index, info in metadata.storage_data.items():
-            _check_location(self.path, index, info)
+        # Its items are checked once it is set up for reading (metadata_checks.check_dcp_items).
+        metadata_checks.check_is_metadata(f"{self.path}/{METADATA_NAME}", metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = load_id
@@ -92,21 +90,6 @@ class DcpCheckpointReader:
 
     def _open(self, name: str) -> _LocalFile | _RemoteFile:
         return _RemoteFile(self.path, name) if self.remote else _LocalFile(self.path, name)
-
-
-def _check_location(path: str, index: Any, info: Any) -> None:
-    """A storage_data entry names a file directly inside the checkpoint and a range in it."""
-    name = getattr(info, "relative_path", None)
-    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-    fqn = getattr(index, "fqn", index)
-    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
-        raise CheckpointCorruptError(
-            f"'{path}/{METADATA_NAME}' places item '{fqn}' in {name!r}, which is not a file inside the checkpoint"
-        )
-    if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
-        raise CheckpointCorruptError(
-            f"'{path}/{METADATA_NAME}' gives item '{fqn}' the range offset={offset!r} length={length!r}"
-        )
 
 
 class _LocalFile:

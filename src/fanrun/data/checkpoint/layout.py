@@ -11,7 +11,8 @@ A checkpoint is a directory (or, for fsspec URLs, a prefix) holding:
   before, carry neither and are read without that check).
 
 Every file name read from the record or the metadata must name a file directly inside the
-checkpoint (``is_plain_file_name``).
+checkpoint (``is_plain_file_name``); every other field of every item is checked too, by type and
+range, before anything is read (metadata_checks.py).
 
 Locally the whole directory appears at its name by one atomic rename; on object stores the
 record is the last object written, so it is the commit marker (data and metadata names carry

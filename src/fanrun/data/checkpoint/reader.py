@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ... import _core
-from ..._errors import CheckpointCorruptError, NotACheckpointError
-from . import dcp_format, engine_io, layout, storage
+from ..._errors import NotACheckpointError
+from . import dcp_format, engine_io, layout, metadata_checks, storage
 
 
 class VolumeReader(StorageReader):
@@ -86,12 +86,19 @@ class VolumeReader(StorageReader):
         # A pickle, as DCP's own: loading a checkpoint runs what its metadata says, so only
         # trusted checkpoints may be loaded. Its bytes are checked against the record first.
         metadata = pickle.loads(storage.read_metadata_bytes(self.path, self.record, self.local_staging_dir))
+        metadata_checks.check_is_metadata(f"{self.path}/{self.record['metadata']}", metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # Here, on every rank, however the metadata reached it, and before any byte is read. (DCP
+        # would turn an error of read_metadata into an AssertionError that keeps only its text.)
+        if self.dcp is not None:
+            metadata_checks.check_dcp_items(self.path, metadata, dcp_format.METADATA_NAME)
+        else:
+            metadata_checks.check_fanrun_items(self.path, metadata, self.record)
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -109,7 +116,7 @@ class VolumeReader(StorageReader):
             location = self.storage_data[request.storage_index]
             stored.setdefault(request.storage_index, (location, []))[1].append(request)
 
-        file_names = sorted({self._checked_file_name(location.file) for location, _ in stored.values()})
+        file_names = sorted({location.file for location, _ in stored.values()})
         local_dir = self._fetch(file_names) if self.remote else self.path
         try:
             paths = [os.path.join(local_dir, name) for name in file_names]
@@ -206,15 +213,6 @@ class VolumeReader(StorageReader):
             and str(target.dtype).removeprefix("torch.") == location.dtype
             and tuple(target.shape) == tuple(location.shape)
         )
-
-    def _checked_file_name(self, name: Any) -> str:
-        if not layout.is_plain_file_name(name):
-            raise CheckpointCorruptError(
-                f"The metadata of checkpoint '{self.path}' names a data file {name!r} that does not lie "
-                "directly inside the checkpoint; nothing was read. The metadata is damaged or was not "
-                "written by fanrun: load a checkpoint you trust"
-            )
-        return name
 
     def _fetch(self, file_names: list[str]) -> str:
         """Downloads the files this rank needs next to each other in a private local directory."""
