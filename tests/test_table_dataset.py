@@ -248,6 +248,52 @@ def test_epochs_reshuffle_and_drop_last_leaves_out_fewer_than_the_world_size(par
     assert len(ids) == len(set(ids)) == ROWS - ROWS % 3
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batch_rows, batch_size", [(None, None), (None, 4), (3, None)])
+def test_torchs_own_dataloader_reads_every_row_once_over_ranks_and_workers(parquet, monkeypatch, workers, batch_rows,
+                                                                             batch_size):
+    """torch.utils.data.DataLoader, not fanrun's: each rank's span, split over its workers by
+    get_worker_info(). Its workers raised TypeError (no pass begun by fanrun's loader)."""
+    where = pc.not_equal(pc.bit_wise_and(pc.field("id"), 3), 0)
+    expected = [i for i in range(ROWS) if i & 3]
+    per_rank = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        dataset = TableDataset(parquet, columns=["id"], filter=where, batch_rows=batch_rows, seed=3)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+        per_rank.append([int(i) for batch in loader for i in
+                         (batch["id"] if batch_rows or batch_size else [batch["id"]])])
+    assert len(per_rank[0]) == len(per_rank[1]) == len(expected) // 2
+    assert sorted(per_rank[0] + per_rank[1]) == expected
+
+
+@distributed(num_accelerators=2)
+def read_with_torchs_loader(table: str, batch_rows: int):
+    import os
+
+    import pyarrow.compute as pc
+    import torch.distributed as dist
+    import torch.utils.data
+
+    from fanrun.data import TableDataset
+
+    dist.init_process_group("gloo")
+    dataset = TableDataset(table, columns=["id"], filter=pc.field("id") >= 20, batch_rows=batch_rows)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2 if os.environ["RANK"] == "0" else 0)
+    ids = [i for batch in loader for i in batch["id"].tolist()]
+    dist.destroy_process_group()
+    return ids
+
+
+def test_torchs_own_dataloader_in_a_2_rank_run_reads_every_row_once(delta):
+    per_rank = read_with_torchs_loader.distributed(delta["root"], 4)
+    expected = [row["id"] for row in delta_rows(delta["root"]) if row["id"] >= 20]
+    assert len(per_rank[0]) == len(per_rank[1]) == -(-len(expected) // 2)
+    seen = collections.Counter(per_rank[0] + per_rank[1])
+    assert sorted(seen) == expected and sum(seen.values()) - len(expected) < 2
+
+
 @distributed(num_accelerators=2)
 def train_until_killed(table: str, out: str, steps_before_kill: int):
     import json
