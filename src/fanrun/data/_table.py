@@ -29,8 +29,11 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         partitions such as ``day=2026-11-30/`` become columns); a local path, or a URL of a
         filesystem pyarrow knows (``s3://``, ``gs://``, ``hdfs://``).
     columns: the columns to read (default: all).
-    filter: a pyarrow expression on partition columns (``pyarrow.compute.field("day") >=
-        "2026-11-01"``); files it leaves out are never read.
+    filter: a pyarrow expression on any columns (``pyarrow.compute.field("day") >= "2026-11-01"``,
+        ``pyarrow.compute.field("label") == 3``): only the rows it passes are read. Files whose
+        partition values it rules out are never opened; where it names other columns, the row
+        groups their statistics do not rule out have those columns read once, when the table
+        is opened, to count the rows that pass (docs/tables.md, Filters).
     version: a Delta table's version (default: the latest).
     batch_rows: None: each item is a row, a dict of column to Python value. A number: each
         item is up to that many rows, a dict of column to a tensor (numeric columns without
