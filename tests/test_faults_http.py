@@ -368,6 +368,38 @@ def test_a_files_size_meets_fetch_timeout(hostile, tmp_path):
     assert ds.files == [server.url + "/a.bin"] and list(ds) == [b"abc"]
 
 
+@pytest.fixture
+def never_accepting():
+    """The URL of a port on 127.0.0.1 whose accept queue is full: the kernel drops every further
+    handshake, so a connection to it never completes."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    fillers = [socket.socket() for _ in range(3)]
+    for filler in fillers:
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+    yield f"http://127.0.0.1:{port}"
+    for filler in fillers:
+        filler.close()
+    listener.close()
+
+
+def test_a_connection_never_completed_meets_fetch_timeout(never_accepting, tmp_path):
+    """The engine's connection has fetch_timeout too, and says so; so has the listing's."""
+    cache = _core.FileCache(str(tmp_path / "cache"), 0, 1, 1, FsspecFetch({}, {}), native_http=True,
+                            **engine_http_options(2.0, None))
+    try:
+        start = time.monotonic()
+        with pytest.raises(EngineOSError, match=r"was not connected to within its deadline of 2 s: .*fetch_timeout"):
+            cache.acquire(never_accepting + "/a.bin", "a.bin", -1)
+        assert 1.9 < time.monotonic() - start < 60
+    finally:
+        cache.close()
+    with pytest.raises(DataSourceError, match=rf"The listing of '{never_accepting}/d/' got no whole answer from its "
+                                              rf"server within fetch_timeout=2 s"):
+        dataset(never_accepting + "/d/", tmp_path, fetch_timeout=2)
+
+
 @pytest.mark.parametrize("handler", [silent, head_then_slow_body], ids=["silent", "trickling"])
 def test_a_fetch_by_fsspec_meets_fetch_timeout_and_names_the_url(hostile, tmp_path, handler):
     """With storage options, fsspec fetches the files: each attempt within fetch_timeout too."""

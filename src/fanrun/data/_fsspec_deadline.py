@@ -52,5 +52,5 @@ def deadline_named(what: str, url: str, fetch_timeout: float | None, error_type:
         limit = (f"within fetch_timeout={fetch_timeout:g} s" if fetch_timeout is not None
                  else "within aiohttp's own deadline (fetch_timeout=None sets none of fanrun's)")
         raise error_type(f"{what} '{url}' got no whole answer from its server {limit}, after {waited:.1f} s of waiting "
-                         f"in all: the server accepted the connection but stayed silent or sent too slowly. Check the "
-                         f"server, or raise fetch_timeout") from error
+                         f"in all: it did not take the connection, stayed silent, or sent too slowly. Check the server, "
+                         f"or raise fetch_timeout") from error
