@@ -4,8 +4,9 @@ the rows a Delta deletion vector removes, and the columns asked for.
 Parquet files and directories (hive partitions too) are opened with pyarrow's datasets; Delta
 tables with the `deltalake` package (delta-rs), which gives the files of a version, their
 partition values and their deletion vectors. Either way the rows are read by pyarrow, one row
-group at a time, and a filter is applied as _table_filter.py says. A remote table's footers are read in place, its files through the node's file
-cache (_table_remote.py). Every problem found is a TableError that names the table and the file.
+group at a time, and a filter is applied as _table_filter.py says. A remote table's footers are
+read in place, its files through the node's file cache (_table_remote.py). Every problem found
+is a TableError that names the table and the file.
 """
 
 from __future__ import annotations
