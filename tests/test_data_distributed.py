@@ -37,8 +37,9 @@ def everything() -> set[str]:
 
 
 @distributed(num_accelerators=2)
-def read_epochs(url: str, cache_dir: str, epochs: int):
+def read_epochs(url: str, cache_dir: str, epochs: int, loader_of: str = "fanrun"):
     import torch.distributed as dist
+    import torch.utils.data
 
     from fanrun.data import DataLoader, VolumeDataset
 
@@ -46,7 +47,8 @@ def read_epochs(url: str, cache_dir: str, epochs: int):
     rank = dist.get_rank()
     ds = VolumeDataset(url, pattern="*.txt", seed=11, cache_dir=cache_dir,
                        transform=lambda path: open(path).readline().strip())
-    loader = DataLoader(ds, batch_size=4, num_workers=2 if rank == 0 else 1)
+    loader_class = DataLoader if loader_of == "fanrun" else torch.utils.data.DataLoader
+    loader = loader_class(ds, batch_size=4, num_workers=2 if rank == 0 else 1)
     out = []
     for epoch in range(epochs):
         ds.set_epoch(epoch)
@@ -55,8 +57,10 @@ def read_epochs(url: str, cache_dir: str, epochs: int):
     return out
 
 
-def test_every_sample_once_per_epoch_across_ranks_and_workers_and_epochs_reshuffle(served, tmp_path):
-    per_rank = read_epochs.distributed(served.url + "/", str(tmp_path / "cache"), 2)
+@pytest.mark.parametrize("loader_of", ["fanrun", "torch"])
+def test_every_sample_once_per_epoch_across_ranks_and_workers_and_epochs_reshuffle(served, tmp_path, loader_of):
+    """Through fanrun.data.DataLoader and through torch's own alike: the split is the dataset's."""
+    per_rank = read_epochs.distributed(served.url + "/", str(tmp_path / "cache"), 2, loader_of)
     orders = []
     for epoch in range(2):
         got = [per_rank[rank][epoch] for rank in range(2)]

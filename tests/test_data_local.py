@@ -298,6 +298,25 @@ def test_spawned_workers_read_every_sample_with_no_turns_to_inherit(tmp_path, co
     assert sorted(s for batch in loader for s in batch) == sorted(f"sample {i}" for i in range(40))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_torchs_own_dataloader_reads_every_sample_once_over_ranks_and_workers(tmp_path, corpus, monkeypatch, workers,
+                                                                                batch_size):
+    """torch.utils.data.DataLoader, not fanrun's: each rank's part, split over its workers by
+    get_worker_info(); fanrun.data.DataLoader adds only the exact resume."""
+    import torch.utils.data
+
+    per_rank = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        ds = VolumeDataset(corpus, pattern="*.bin", seed=4, cache_dir=tmp_path / "cache", transform=label)
+        loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+        per_rank.append([s for batch in loader for s in (batch if batch_size else [batch])])
+    assert len(per_rank[0]) == len(per_rank[1]) == 20
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(f"sample {i}" for i in range(40))
+
+
 def test_without_a_loader_a_loaded_state_resumes_one_pass(tmp_path, corpus):
     ds = VolumeDataset(corpus, pattern="*.bin", seed=2, cache_dir=tmp_path / "cache", transform=label)
     whole = list(ds)

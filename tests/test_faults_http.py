@@ -39,10 +39,13 @@ Handler = Callable[["HostileServer", socket.socket], bool]
 class HostileServer:
     """An HTTP/1.1 server on 127.0.0.1, a thread per connection. `routes` maps a request's
     target to what the server writes back; a handler returns whether the connection serves
-    another request. Unknown targets get a 404. With `tls`, connections are wrapped in it."""
+    another request. Unknown targets get a 404, and a HEAD request an empty answer unless `heads`
+    maps its target to a handler. With `tls`, connections are wrapped in it."""
 
-    def __init__(self, routes: dict[str, Handler], tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, routes: dict[str, Handler], tls: ssl.SSLContext | None = None,
+                 heads: dict[str, Handler] | None = None) -> None:
         self.routes = routes
+        self.heads = heads or {}
         self.tls = tls
         self.stopping = threading.Event()
         self.requests: list[tuple[int, str]] = []  # (connection number, request head)
@@ -90,7 +93,10 @@ class HostileServer:
                 with self._lock:
                     self.requests.append((number, request))
                 method, target = request.split(" ")[:2]
-                if method == "HEAD":  # fsspec asks whether the source exists: a head alone
+                if method == "HEAD" and target in self.heads:
+                    if not self.heads[target](self, connection):
+                        return
+                elif method == "HEAD":  # fsspec asks whether the source exists: a head alone
                     status = "200 OK" if target in self.routes else "404 Not Found"
                     if not self.send(connection, f"HTTP/1.1 {status}\r\nContent-Length: 0\r\n\r\n".encode()):
                         return
@@ -173,6 +179,12 @@ def slowly(data: bytes) -> Callable[[HostileServer, socket.socket], bool]:
     return handler
 
 
+def silent(server: HostileServer, connection: socket.socket) -> bool:
+    """Reads the request, answers nothing, holds the connection open until the test ends."""
+    server.stopping.wait()
+    return False
+
+
 def endless(head: bytes, piece: bytes) -> Handler:
     def handler(server: HostileServer, connection: socket.socket) -> bool:
         if not server.send(connection, head):
@@ -188,8 +200,9 @@ def endless(head: bytes, piece: bytes) -> Handler:
 def hostile():
     started: list[HostileServer] = []
 
-    def start(routes: dict[str, Handler], tls: ssl.SSLContext | None = None) -> HostileServer:
-        server = HostileServer(routes, tls)
+    def start(routes: dict[str, Handler], tls: ssl.SSLContext | None = None,
+              heads: dict[str, Handler] | None = None) -> HostileServer:
+        server = HostileServer(routes, tls, heads)
         started.append(server)
         return server
 
@@ -314,10 +327,10 @@ def head_then_slow_body(server, connection):
     return server.send(connection, HEAD_100) and slowly(b"x" * 100)(server, connection)
 
 
-@pytest.mark.parametrize("handler", [slowly(HEAD_100), head_then_slow_body], ids=["slow head", "slow body"])
+@pytest.mark.parametrize("handler", [silent, slowly(HEAD_100), head_then_slow_body], ids=["silent", "slow head", "slow body"])
 def test_a_fetch_a_byte_a_second_meets_its_deadline(hostile, tmp_path, handler):
-    """A server sending a byte a second kept a fetch alive for ever; fetch_timeout bounds each
-    attempt, and the error names the URL and the limit."""
+    """A server sending a byte a second, or nothing, kept a fetch alive for ever; fetch_timeout
+    bounds each attempt, and the error names the URL and the limit."""
     server = hostile({"/d/": listing(["slow.bin"]), "/d/slow.bin": handler})
     ds = dataset(server.url + "/d/", tmp_path, retries=0, fetch_timeout=1.5, min_fetch_rate=None)
     start = time.monotonic()
@@ -325,6 +338,79 @@ def test_a_fetch_a_byte_a_second_meets_its_deadline(hostile, tmp_path, handler):
         list(ds)
     assert 1.4 < time.monotonic() - start < 5.0
     assert f"'{server.url}/d/slow.bin'" in str(error.value) and "fetch_timeout" in str(error.value)
+
+
+LISTING = answer(b'<html><body><a href="a.bin">a.bin</a></body></html>',
+                 fields="Content-Type: text/html\r\nContent-Length: 51\r\n")
+
+
+@pytest.mark.parametrize("handler", [silent, slowly(LISTING)], ids=["silent", "trickling"])
+def test_a_listing_meets_fetch_timeout_and_names_the_url(hostile, tmp_path, handler):
+    """The listing (fsspec's) waited aiohttp's 300 s on a server that accepts and says nothing,
+    or trickles, whatever fetch_timeout said, then raised an FSTimeoutError with no message.
+    Each of its requests now has fetch_timeout, and the error names the URL and the wait."""
+    server = hostile({"/d/": handler})
+    start = time.monotonic()
+    with pytest.raises(DataSourceError, match=r"got no whole answer from its server within fetch_timeout=2 s, "
+                                              r"after \d+\.\d s of waiting") as error:
+        dataset(server.url + "/d/", tmp_path, fetch_timeout=2)
+    assert 1.9 < time.monotonic() - start < 60
+    assert f"The listing of '{server.url}/d/'" in str(error.value)
+
+
+def test_a_files_size_meets_fetch_timeout(hostile, tmp_path):
+    """A single file's source asks its size with a HEAD request, which waited 300 s on a server
+    that never answers it. It now waits fetch_timeout, and fsspec asks with a GET instead."""
+    server = hostile({"/a.bin": serve(b"abc")}, heads={"/a.bin": silent})
+    start = time.monotonic()
+    ds = dataset(server.url + "/a.bin", tmp_path, fetch_timeout=2)
+    assert 1.9 < time.monotonic() - start < 60
+    assert ds.files == [server.url + "/a.bin"] and list(ds) == [b"abc"]
+
+
+@pytest.fixture
+def never_accepting():
+    """The URL of a port on 127.0.0.1 whose accept queue is full: the kernel drops every further
+    handshake, so a connection to it never completes."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    fillers = [socket.socket() for _ in range(3)]
+    for filler in fillers:
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+    yield f"http://127.0.0.1:{port}"
+    for filler in fillers:
+        filler.close()
+    listener.close()
+
+
+def test_a_connection_never_completed_meets_fetch_timeout(never_accepting, tmp_path):
+    """The engine's connection has fetch_timeout too, and says so; so has the listing's."""
+    cache = _core.FileCache(str(tmp_path / "cache"), 0, 1, 1, FsspecFetch({}, {}), native_http=True,
+                            **engine_http_options(2.0, None))
+    try:
+        start = time.monotonic()
+        with pytest.raises(EngineOSError, match=r"was not connected to within its deadline of 2 s: .*fetch_timeout"):
+            cache.acquire(never_accepting + "/a.bin", "a.bin", -1)
+        assert 1.9 < time.monotonic() - start < 60
+    finally:
+        cache.close()
+    with pytest.raises(DataSourceError, match=rf"The listing of '{never_accepting}/d/' got no whole answer from its "
+                                              rf"server within fetch_timeout=2 s"):
+        dataset(never_accepting + "/d/", tmp_path, fetch_timeout=2)
+
+
+@pytest.mark.parametrize("handler", [silent, head_then_slow_body], ids=["silent", "trickling"])
+def test_a_fetch_by_fsspec_meets_fetch_timeout_and_names_the_url(hostile, tmp_path, handler):
+    """With storage options, fsspec fetches the files: each attempt within fetch_timeout too."""
+    server = hostile({"/d/": listing(["slow.bin"]), "/d/slow.bin": handler})
+    ds = dataset(server.url + "/d/", tmp_path, retries=0, fetch_timeout=2,
+                 storage_options={"headers": {"X-Fanrun-Test": "1"}})
+    start = time.monotonic()
+    with pytest.raises(DataFileError, match=r"got no whole answer from its server within fetch_timeout=2 s") as error:
+        list(ds)
+    assert 1.9 < time.monotonic() - start < 60
+    assert f"The fetch of '{server.url}/d/slow.bin'" in str(error.value)
 
 
 @pytest.mark.parametrize("handler", [slowly(HEAD_100), head_then_slow_body], ids=["slow head", "slow body"])

@@ -1,6 +1,7 @@
 """TableDataset over HTTP from a real nginx on 127.0.0.1: a hive-partitioned Parquet table whose
 footers are read in place and whose files come through the node's file cache, fetched once and
-found again warm, pruned by a partition filter before any fetch, and named when one vanishes."""
+found again warm, pruned by a partition filter before any fetch and by a filter on another column
+through the row groups' statistics, and named when one vanishes."""
 
 from __future__ import annotations
 
@@ -68,6 +69,24 @@ def test_a_partition_filter_leaves_the_other_files_unfetched(served, tmp_path):
     dataset = TableDataset(f"{server.url}/events/", filter=pc.field("day") >= "2026-11-30", cache_dir=tmp_path / "c")
     assert {(row["id"], row["day"]) for row in dataset} == {r for r in rows if r[1] >= "2026-11-30"}
     assert fetched(dataset)["fetched"] == 4
+
+
+def test_a_filter_on_a_plain_column_fetches_only_files_with_rows_that_pass(served, tmp_path):
+    """The row groups are counted in place, once, when the table is opened: the files of the
+    day whose ids the statistics rule out are never fetched; torch's workers read the rest."""
+    import torch.utils.data
+
+    server, _, rows = served
+    where = (pc.field("day") >= "2026-11-30") & (pc.field("id") < 800)
+    dataset = TableDataset(f"{server.url}/events/", filter=where, columns=["id"], batch_rows=32,
+                           cache_dir=tmp_path / "c")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+    assert sorted(i for batch in loader for i in batch["id"].tolist()) == list(range(500, 800))
+    assert dataset.num_rows == 300 and {dataset.source.files[p.file].partition["day"] for p in dataset.source.pieces} \
+        == {"2026-11-30"}
+    again = TableDataset(f"{server.url}/events/", filter=where, columns=["id"], cache_dir=tmp_path / "c")
+    assert sorted(row["id"] for row in again) == list(range(500, 800))
+    assert fetched(again)["fetched"] == 0 and fetched(again)["hits"] == 2  # the workers fetched those two
 
 
 def test_workers_read_a_remote_table_exactly_once_in_batches(served, tmp_path):

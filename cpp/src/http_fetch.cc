@@ -147,6 +147,12 @@ struct Transfer {
           return Status::IOError("'", Url(), "' was not fetched within its deadline of ", static_cast<double>(options.timeout_ms) / 1000,
                                  " s (", received, " bytes of its body had come): ", why, "; fetch_timeout sets this deadline");
         }
+        // A deadline no longer than the connection's own limit is what ended a connection
+        // that never completed (a server whose accept queue is full drops the handshake).
+        if (options.timeout_ms > 0 && options.timeout_ms <= kConnectTimeoutMs && why.rfind("Connection timed out", 0) == 0) {
+          return Status::IOError("'", Url(), "' was not connected to within its deadline of ",
+                                 static_cast<double>(options.timeout_ms) / 1000, " s: ", why, "; fetch_timeout sets this deadline");
+        }
         break;
       case CURLE_PARTIAL_FILE:
         if (head.content_length() >= 0) {

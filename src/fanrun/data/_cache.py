@@ -12,6 +12,7 @@ import re
 from .. import _core
 from .._errors import CacheLimitError
 from .._private_dir import open_private_dir
+from ._fsspec_deadline import deadline_named, with_deadline
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -122,16 +123,18 @@ class FsspecFetch:
     take the GIL only around this call. Where the listing gave an MD5, the bytes written must
     have it, or the fetch fails (and is tried again) before the engine moves the file in."""
 
-    def __init__(self, storage_options: dict, checksums: dict[str, str]) -> None:
+    def __init__(self, storage_options: dict, checksums: dict[str, str], fetch_timeout: float | None = None) -> None:
         self._storage_options = storage_options
         self._checksums = checksums
+        self._fetch_timeout = fetch_timeout  # for each request over http(s)
 
     def __call__(self, source: str, partial_path: str) -> None:
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(source, **self._storage_options)
+        fs, path = fsspec.core.url_to_fs(source, **with_deadline(source, self._storage_options, self._fetch_timeout))
         try:
-            fs.get_file(path, partial_path)
+            with deadline_named("The fetch of", source, self._fetch_timeout, TimeoutError):
+                fs.get_file(path, partial_path)
         except OSError as error:
             if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                 raise OSError(error.errno, f"{error.strerror} writing '{partial_path}': the cache's filesystem is full: "

@@ -66,7 +66,9 @@ class VolumeDataset(CountedPasses, torch.utils.data.IterableDataset):
         still fail, counted in `skipped_files`, instead of raising DataFileError.
     fetch_timeout, min_fetch_rate: limits of each attempt at an http(s):// file: seconds in all
         (None: no deadline), and (bytes per second, seconds): slower than that for that long
-        fails (None: no minimum). A fetch that fails them is an attempt that failed.
+        fails (None: no minimum). A fetch that fails them is an attempt that failed. Each
+        request of an http(s):// listing, or for a file's size, has fetch_timeout seconds too
+        (None: aiohttp's own 300 s); one past it is a DataSourceError naming the URL.
     """
 
     def __init__(
@@ -110,10 +112,11 @@ class VolumeDataset(CountedPasses, torch.utils.data.IterableDataset):
         self.skip_unreadable = skip_unreadable
         self.storage_options = dict(storage_options or {})
         self._http_options = engine_http_options(fetch_timeout, min_fetch_rate)
+        self.fetch_timeout = fetch_timeout
         cache_dir_fd = open_cache_dir(self.cache_dir)  # refused here, before any work, if not the caller's alone
         try:
             self._files: list[SourceFile] = shared_listing(source, pattern, self.storage_options, self.cache_dir,
-                                                           cache_dir_fd)
+                                                           cache_dir_fd, fetch_timeout)
         finally:
             os.close(cache_dir_fd)
         self._cached = [self._is_cached(f) for f in self._files]
@@ -250,7 +253,7 @@ class VolumeDataset(CountedPasses, torch.utils.data.IterableDataset):
     def _make_cache(self) -> _core.FileCache:
         remote = any(cached and not f.local for f, cached in zip(self._files, self._cached))
         checksums = {f.source: f.md5 for f in self._files if f.md5 is not None}
-        fetch = FsspecFetch(self.storage_options, checksums) if remote else None
+        fetch = FsspecFetch(self.storage_options, checksums, self.fetch_timeout) if remote else None
         cache = _core.FileCache(self.cache_dir, self.cache_limit, self.cache_threads, self.retries + 1, fetch,
                                 native_http=remote and self._native_http, **self._http_options)
         atexit.register(_close_cache, weakref.ref(cache))

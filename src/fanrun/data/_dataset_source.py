@@ -28,6 +28,7 @@ from .._rank import contract as run_contract
 from .._errors import DataSourceError
 from .._private_dir import open_private_subdir
 from ._cache import CACHE_DIR_REMEDY
+from ._fsspec_deadline import deadline_named, with_deadline
 
 # A listing file older than this belongs to a finished run.
 _STALE_LISTING_S = 24 * 3600
@@ -97,13 +98,15 @@ def _list_local(root: str, pattern: str | None) -> list[SourceFile]:
     return found
 
 
-def _list_remote(url: str, pattern: str | None, storage_options: dict) -> list[SourceFile]:
+def _list_remote(url: str, pattern: str | None, storage_options: dict, fetch_timeout: float | None) -> list[SourceFile]:
     import fsspec
 
     # An instance of its own, not fsspec's shared one: see below.
-    fs, root = fsspec.core.url_to_fs(url, **{**storage_options, "skip_instance_cache": True})
+    fs, root = fsspec.core.url_to_fs(url, **{**with_deadline(url, storage_options, fetch_timeout),
+                                             "skip_instance_cache": True})
     try:
-        return _list_filesystem(fs, root, url, pattern)
+        with deadline_named("The listing of", url, fetch_timeout, DataSourceError):
+            return _list_filesystem(fs, root, url, pattern)
     finally:
         # The filesystem's client session is closed by a finalizer, through fsspec's event
         # loop thread. Left to a later collection, that can happen in a DataLoader worker
@@ -161,16 +164,19 @@ def _size(info: dict) -> int:
     return int(size) if isinstance(size, int) and size >= 0 else -1
 
 
-def list_files(source: str | os.PathLike | Sequence[str | os.PathLike], pattern: str | None, storage_options: dict) -> list[SourceFile]:
+def list_files(source: str | os.PathLike | Sequence[str | os.PathLike], pattern: str | None, storage_options: dict,
+               fetch_timeout: float | None = None) -> list[SourceFile]:
     """Every file of the source that matches `pattern` (fnmatch, on the path relative to the
-    root it was found under), sorted by its full path or URL."""
+    root it was found under), sorted by its full path or URL; each of an http(s) server's
+    answers within `fetch_timeout` seconds."""
     roots = [os.fspath(source)] if isinstance(source, (str, os.PathLike)) else [os.fspath(s) for s in source]
     if not roots:
         raise DataSourceError("The dataset source is an empty list of paths")
     found: dict[str, SourceFile] = {}
     with _collector_paused():
         for root in roots:
-            listed = _list_remote(root, pattern, storage_options) if is_remote_source(root) else _list_local(root, pattern)
+            listed = (_list_remote(root, pattern, storage_options, fetch_timeout) if is_remote_source(root)
+                      else _list_local(root, pattern))
             for file in listed:
                 found[file.source] = file
     if not found:
@@ -204,10 +210,11 @@ def _run_token() -> str | None:
 
 
 def shared_listing(
-    source, pattern: str | None, storage_options: dict, cache_dir: str, cache_dir_fd: int
+    source, pattern: str | None, storage_options: dict, cache_dir: str, cache_dir_fd: int,
+    fetch_timeout: float | None = None,
 ) -> list[SourceFile]:
     """list_files, done by one process of the run on this node and read by the others."""
-    listed = once_per_run([repr(source), pattern], lambda: list_files(source, pattern, storage_options),
+    listed = once_per_run([repr(source), pattern], lambda: list_files(source, pattern, storage_options, fetch_timeout),
                           cache_dir, cache_dir_fd)
     with _collector_paused():
         return list(map(SourceFile._make, listed))

@@ -29,8 +29,11 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         partitions such as ``day=2026-11-30/`` become columns); a local path, or a URL of a
         filesystem pyarrow knows (``s3://``, ``gs://``, ``hdfs://``).
     columns: the columns to read (default: all).
-    filter: a pyarrow expression on partition columns (``pyarrow.compute.field("day") >=
-        "2026-11-01"``); files it leaves out are never read.
+    filter: a pyarrow expression on any columns (``pyarrow.compute.field("day") >= "2026-11-01"``,
+        ``pyarrow.compute.field("label") == 3``): only the rows it passes are read. Files whose
+        partition values it rules out are never opened; where it names other columns, the row
+        groups their statistics do not rule out have those columns read once, when the table
+        is opened, to count the rows that pass (docs/tables.md, Filters).
     version: a Delta table's version (default: the latest).
     batch_rows: None: each item is a row, a dict of column to Python value. A number: each
         item is up to that many rows, a dict of column to a tensor (numeric columns without
@@ -133,15 +136,24 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         return -(-rows // self._rows_per_item())
 
     def __iter__(self) -> Iterator[Any]:
-        self._own_pass()
+        in_worker = self._own_pass()
         info = torch.utils.data.get_worker_info()
-        work, world_size, per_batch = self._pass
-        rank, _ = _rank_and_world()
+        rank, world_size = _rank_and_world()
+        if in_worker and not self._loader_counts:
+            # A worker of torch's own DataLoader: no pass was begun in the main process, whose
+            # batch size this process does not know. Its workers take contiguous parts of the
+            # rank's span, each of whole items, so each reads its row groups once.
+            work, per_batch = self._current_work(), None
+        else:
+            work, world_size, per_batch = self._pass
         span, _ = _table_split.rank_span(work, rank, world_size, self.drop_last)
         if info is not None:
             self._check_limit(num_workers=info.num_workers)
-            span = _table_split.worker_part(span, _table_split.total(span), info.id, info.num_workers,
-                                            per_batch * self._rows_per_item())
+            rows = _table_split.total(span)
+            if per_batch is None:
+                items = -(-rows // self._rows_per_item())
+                per_batch = max(1, -(-items // info.num_workers))
+            span = _table_split.worker_part(span, rows, info.id, info.num_workers, per_batch * self._rows_per_item())
         yield from self._counted(self._items(span))
 
     # ------------------------------------------------------------ fanrun.data.DataLoader's hooks

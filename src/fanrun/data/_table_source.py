@@ -4,15 +4,15 @@ the rows a Delta deletion vector removes, and the columns asked for.
 Parquet files and directories (hive partitions too) are opened with pyarrow's datasets; Delta
 tables with the `deltalake` package (delta-rs), which gives the files of a version, their
 partition values and their deletion vectors. Either way the rows are read by pyarrow, one row
-group at a time. A remote table's footers are read in place, its files through the node's file
-cache (_table_remote.py). Every problem found is a TableError that names the table and the file.
+group at a time, and a filter is applied as _table_filter.py says. A remote table's footers are
+read in place, its files through the node's file cache (_table_remote.py). Every problem found
+is a TableError that names the table and the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 from .._errors import FanrunError, TableError
 from ._cache import open_cache_dir
 from ._dataset_source import once_per_run
+from ._table_filter import RowFilter
 from ._table_remote import RemoteFiles
 from ._table_store import open_store
 
@@ -34,13 +35,15 @@ class TableFile:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One row group of one file: `rows` live rows, from the file's row `first_row` on."""
+    """One row group of one file: `rows` live rows, from the file's row `first_row` on; with
+    `filtered`, those of its rows that the deletion vector leaves and the filter passes."""
 
     file: int
     row_group: int
     first_row: int
     stored_rows: int
     rows: int
+    filtered: bool = False
 
 
 class TableSource:
@@ -51,18 +54,23 @@ class TableSource:
         except ImportError:
             raise TableError(f"table {uri}: reading tables needs pyarrow: pip install 'fanrun[table]'") from None
         self.uri = str(uri)
+        self._open: dict[int, Any] = {}  # readers of files, by index: counting a filter's rows opens them too
         storage_options = dict(storage_options or {})
         store = open_store(self.uri, storage_options)
         self.filesystem, root = store.filesystem, store.root
         if _is_delta(self.filesystem, root):
             self.kind = "Delta table"
-            self.schema, self.files = _delta(self.uri, self.filesystem, root, version, storage_options, filter)
+            self.schema, files, partition_names = _delta(self.uri, self.filesystem, root, version, storage_options)
         else:
             if version is not None:
                 raise TableError(f"table {self.uri}: version={version} asks for a Delta table's version, and this is "
                                  f"no Delta table (no _delta_log folder): leave version unset")
             self.kind = "Parquet table"
-            self.schema, self.files = _parquet(self.filesystem, root, self.uri, filter, store.by_fsspec)
+            self.schema, files, partition_names = _parquet(self.filesystem, root, self.uri, store.by_fsspec)
+        at = f" at version {version}" if version is not None else ""
+        self.filter = RowFilter(filter, self.schema, partition_names, f"{self.kind} {self.uri}{at}") \
+            if filter is not None else None
+        self.files = self.filter.files(files, partition_names, self.filesystem) if self.filter is not None else files
         self.columns = self._columns(columns, version)
         self.remote = None
         if isinstance(self.filesystem, pyarrow.fs.LocalFileSystem):
@@ -78,7 +86,6 @@ class TableSource:
             self.pieces = [Piece(*piece) for piece in pieces]
             self.remote = RemoteFiles(self.filesystem, self.files, sizes, cache_dir, cache_limit, storage_options,
                                       store.endpoint)
-        self._open: dict[int, Any] = {}
 
     @property
     def num_rows(self) -> int:
@@ -103,25 +110,39 @@ class TableSource:
         return [[dataclasses.astuple(piece) for piece in self._pieces()], sizes]
 
     def _pieces(self) -> list[Piece]:
-        import pyarrow.parquet as pq
+        """Every row group with rows left, and how many: those the deletion vector leaves, and
+        where the filter names columns other than partitions, those of them it passes."""
+        import pyarrow.dataset as ds
 
+        by_rows = self.filter is not None and not self.filter.partition_only
+        parquet = ds.ParquetFileFormat()
         pieces = []
         for index, file in enumerate(self.files):
             try:
-                with self.filesystem.open_input_file(file.path) as handle:
-                    metadata = pq.ParquetFile(handle).metadata
+                fragment = parquet.make_fragment(file.path, filesystem=self.filesystem,
+                                                 partition_expression=self.filter.partition_expression(file.partition)
+                                                 if by_rows else None)
+                metadata = fragment.metadata
             except FileNotFoundError:
                 raise TableError(self._missing(file)) from None
             except Exception as error:
                 raise TableError(f"{self.kind} {self.uri}: its file {file.source} is not a readable Parquet file "
                                  f"({type(error).__name__}: {error})") from None
+            candidates = set(self.filter.row_groups(fragment, metadata.num_row_groups)) if by_rows else None
             first = 0
             for group in range(metadata.num_row_groups):
                 stored = metadata.row_group(group).num_rows
-                live = stored if file.keep is None else int(file.keep[first:first + stored].sum())
-                if live:
-                    pieces.append(Piece(index, group, first, stored, live))
+                piece = Piece(index, group, first, stored, stored, by_rows)
                 first += stored
+                if candidates is not None and group not in candidates:
+                    continue  # its statistics rule every row out
+                if by_rows:
+                    live = self._live_rows(piece, self.filter.columns, self.filter).num_rows
+                else:
+                    live = stored if file.keep is None else int(file.keep[piece.first_row:piece.first_row + stored].sum())
+                if live:
+                    pieces.append(dataclasses.replace(piece, rows=live))
+        self.close_files()
         return pieces
 
     def _missing(self, file: TableFile) -> str:
@@ -132,11 +153,24 @@ class TableSource:
 
     def read(self, piece: Piece):
         """The piece's live rows, as a pyarrow Table of the asked columns."""
+        if not piece.filtered:
+            return self._live_rows(piece, self.columns)
+        extra = [c for c in self.filter.columns if c not in self.columns]
+        table = self._live_rows(piece, self.columns + extra, self.filter)
+        if table.num_rows != piece.rows:
+            raise TableError(f"{self.kind} {self.uri}: row group {piece.row_group} of {self.files[piece.file].source} "
+                             f"now gives {table.num_rows} rows through the filter where it gave {piece.rows} when the "
+                             f"table was opened: its file was rewritten in place; open the table again")
+        return table.drop_columns(extra) if extra else table
+
+    def _live_rows(self, piece: Piece, columns: list[str], row_filter: RowFilter | None = None):
+        """The piece's rows that the deletion vector leaves (and `row_filter` passes), as a pyarrow
+        Table of `columns` in the table's types: partition values and columns a file lacks filled in."""
         import pyarrow as pa
 
         file = self.files[piece.file]
         reader = self._reader(piece.file)
-        stored = [c for c in self.columns if c not in file.partition and c in reader.schema_arrow.names]
+        stored = [c for c in columns if c not in file.partition and c in reader.schema_arrow.names]
         try:
             table = reader.read_row_group(piece.row_group, columns=stored)
         except Exception as error:
@@ -145,7 +179,7 @@ class TableSource:
         if file.keep is not None:
             table = table.filter(pa.array(file.keep[piece.first_row:piece.first_row + piece.stored_rows]))
         arrays = []
-        for name in self.columns:
+        for name in columns:
             field = self.schema.field(name)
             if name in file.partition:
                 arrays.append(pa.repeat(pa.scalar(file.partition[name], type=field.type), table.num_rows))
@@ -154,7 +188,8 @@ class TableSource:
                               else table.column(name))
             else:  # a column added after this file was written: null in its rows
                 arrays.append(pa.nulls(table.num_rows, type=field.type))
-        return pa.Table.from_arrays(arrays, names=self.columns)
+        table = pa.Table.from_arrays(arrays, names=columns)
+        return row_filter.apply(table) if row_filter is not None else table
 
     def prefetch(self, indices: list[int]) -> None:
         """Files read soon: a remote table's are fetched into the cache meanwhile."""
@@ -211,7 +246,7 @@ def _is_delta(filesystem, root: str) -> bool:
     return info.type == pyarrow.fs.FileType.Directory
 
 
-def _parquet(filesystem, root: str, uri: str, filter: Any, by_fsspec: bool):
+def _parquet(filesystem, root: str, uri: str, by_fsspec: bool):
     import pyarrow.dataset as ds
     import pyarrow.fs
 
@@ -232,11 +267,11 @@ def _parquet(filesystem, root: str, uri: str, filter: Any, by_fsspec: bool):
     fragments = list(dataset.get_fragments())
     if not fragments:
         raise TableError(f"Parquet table {uri} holds no Parquet file")
-    partition_names = [n for n in dataset.partitioning.schema.names] if dataset.partitioning is not None else []
-    files = [TableFile(f.path, _url(filesystem, f.path), {k: v for k, v in ds.get_partition_keys(f.partition_expression).items()
-                                                          if k in partition_names}) for f in fragments]
-    files = _pruned(files, partition_names, filter, uri)
-    return dataset.schema, sorted(files, key=lambda f: f.path)
+    # The keys found in the files' paths: pyarrow's partitioning of a single file also lists
+    # the file's own columns, which no path gives a value of.
+    files = [TableFile(f.path, _url(filesystem, f.path), ds.get_partition_keys(f.partition_expression)) for f in fragments]
+    partition_names = list(dict.fromkeys(name for f in files for name in f.partition))
+    return dataset.schema, sorted(files, key=lambda f: f.path), partition_names
 
 
 def _fsspec_parquet_files(fs, root: str, uri: str) -> list[str]:
@@ -270,7 +305,7 @@ def _url(filesystem, path: str) -> str:
     return f"{filesystem.type_name}://{path}"
 
 
-def _delta(uri: str, filesystem, root: str, version: int | None, storage_options: dict, filter: Any):
+def _delta(uri: str, filesystem, root: str, version: int | None, storage_options: dict):
     import pyarrow as pa
 
     try:
@@ -302,30 +337,4 @@ def _delta(uri: str, filesystem, root: str, version: int | None, storage_options
                                numpy.asarray(keep, dtype=bool) if keep is not None else None))
     if not files:
         raise TableError(f"Delta table {uri}{f' at version {version}' if version is not None else ''} has no rows")
-    return schema, sorted(_pruned(files, partition_names, filter, uri), key=lambda f: f.path)
-
-
-def _pruned(files: list[TableFile], partition_names: list[str], filter: Any, uri: str) -> list[TableFile]:
-    """The files whose partition values pass `filter` (a pyarrow expression on partition columns)."""
-    if filter is None:
-        return files
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-
-    if not isinstance(filter, pc.Expression):
-        raise TypeError(f"filter must be a pyarrow expression on partition columns, such as "
-                        f"pyarrow.compute.field('day') == '2026-11-30', not {type(filter).__name__}")
-    values = pa.table({**{name: [f.partition.get(name) for f in files] for name in partition_names},
-                       "__index": list(range(len(files)))})
-    try:
-        kept = ds.dataset(values).to_table(filter=filter).column("__index").to_pylist()
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as error:
-        named = re.search(r"FieldRef\.Name\((\w+)\)", str(error))
-        if named is None:
-            raise TableError(f"table {uri}: the filter cannot be applied to its partition columns "
-                             f"({', '.join(partition_names) or 'none'}): {error}") from None
-        raise TableError(f"table {uri}: filter names {named.group(1)!r}, which is not a partition column (those are "
-                         f"{', '.join(partition_names) or 'none'}); a filter prunes whole files, so that every rank "
-                         f"knows its rows before reading: filter other columns in the training loop") from None
-    return [files[i] for i in kept]
+    return schema, sorted(files, key=lambda f: f.path), partition_names
