@@ -217,3 +217,30 @@ def test_ray_init_without_ray_installed_says_how_to_install_it():
             "try:\n    fanrun.ray_init()\nexcept ImportError as error:\n    print(error)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install 'fanrun[ray]'" in done.stdout, done.stderr
+
+
+# ---------------------------------------------------------------- the package's namespace, the call's arguments
+
+
+def test_the_namespace_is_the_public_api_and_nothing_else():
+    import fanrun._decorator  # noqa: F401 (the call machinery, and the subpackages it loads)
+
+    assert {name for name in dir(fanrun) if not name.startswith("_")} == set(fanrun.__all__)
+    assert {"importlib", "TYPE_CHECKING"}.isdisjoint(vars(fanrun))
+    for name in fanrun.__all__:
+        assert getattr(fanrun, name) is not None, name
+
+
+def test_arguments_that_do_not_fit_the_signature_are_a_type_error_before_any_rank_starts(runs_dir):
+    @distributed(num_accelerators=2, tracking=False)
+    def train(epochs, batch_size=32):
+        raise AssertionError("must not run")
+
+    before = set(runs_dir.iterdir())
+    for args, kwargs, says in [((), {}, "missing a required argument: 'epochs'"),
+                               ((1, 2, 3), {}, "too many positional arguments"),
+                               ((1,), {"epoch": 3}, "got an unexpected keyword argument 'epoch'")]:
+        with pytest.raises(TypeError, match=r"train\(epochs, batch_size=32\) cannot take the arguments given to "
+                                            rf"\.distributed\(\): {says}\. No rank was started"):
+            train.distributed(*args, **kwargs)
+    assert set(runs_dir.iterdir()) == before

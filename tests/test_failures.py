@@ -272,3 +272,27 @@ def test_cpu_asked_for_or_gloo_used_brings_no_notice(tmp_path):
     done = run_seed_code(tmp_path, 'accelerator_type="CPU"', "gloo")
     assert done.returncode == 0, done.stderr
     assert "no GPU found" not in done.stderr and "[1, 1]" in done.stdout
+
+
+def fanrun_frames(error: BaseException) -> list[str]:
+    import os
+    import traceback
+
+    package = os.path.dirname(fanrun.__file__) + os.sep
+    return [f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(error.__traceback__)
+            if frame.filename.startswith(package)]
+
+
+def test_the_raised_error_shows_the_callers_frames_and_none_of_fanruns():
+    @distributed(num_accelerators=2, tracking=False)
+    def fails():
+        raise ValueError("the data is bad")
+
+    with pytest.raises(ValueError, match=r"\[rank \d\] the data is bad") as caught:
+        fails.distributed()
+    assert fanrun_frames(caught.value) == []
+    assert isinstance(caught.value.__cause__, RemoteTraceback)  # the rank's own traceback stays
+    # An error found before any rank starts, too.
+    with pytest.raises(TypeError, match="cannot take the arguments") as caught:
+        fails.distributed(1)
+    assert fanrun_frames(caught.value) == []

@@ -27,6 +27,10 @@ class PayloadSerializationError(TypeError, FanrunError):
     """The function, an argument or a captured object cannot be pickled to send to the ranks."""
 
 
+class CallArgumentsError(TypeError, FanrunError):
+    """The arguments of a call do not fit the function's signature."""
+
+
 class ResultSerializationError(TypeError, FanrunError):
     """A rank returned a value that cannot be pickled to send back."""
 
