@@ -244,3 +244,46 @@ def test_arguments_that_do_not_fit_the_signature_are_a_type_error_before_any_ran
                                             rf"\.distributed\(\): {says}\. No rank was started"):
             train.distributed(*args, **kwargs)
     assert set(runs_dir.iterdir()) == before
+
+
+# ---------------------------------------------------------------- gpus= asks for GPUs; CPU ranks and cores
+
+
+def test_gpus_asks_for_gpus_and_without_them_is_an_error():
+    with pytest.raises(fanrun.AcceleratorMismatchError, match=r"gpus=8 asks for GPUs, but this machine has no GPU "
+                                                              r"\(.*\); to run CPU processes here, pass num_accelerators=8"):
+        plan_run(8, None, NO_GPU, gpus_asked=True)
+    assert plan_run(2, None, machine(2), gpus_asked=True).use_gpus
+
+
+@pytest.mark.skipif(fanrun._accelerators.detect().visible, reason="needs a machine without a GPU")
+def test_gpus_on_a_machine_without_gpu_fails_before_any_process_starts(runs_dir):
+    before = set(runs_dir.iterdir())
+    with pytest.warns(FutureWarning, match="gpus= is a legacy name"):
+        decorated = distributed(gpus=8, tracking=False)(identity)
+    with pytest.raises(fanrun.AcceleratorMismatchError, match="gpus=8 asks for GPUs"):
+        decorated.distributed(1)
+    assert set(runs_dir.iterdir()) == before
+
+
+def test_a_gpu_type_where_every_gpu_is_hidden_is_an_error():
+    hidden = Inventory((), machine(2).machine, "CUDA_VISIBLE_DEVICES='' hides all 2 GPUs")
+    with pytest.raises(fanrun.AcceleratorMismatchError, match=r"'GPU_2xH200' asks for GPUs, but this process sees no "
+                                                              r"GPU \(CUDA_VISIBLE_DEVICES='' hides all 2 GPUs\)"):
+        plan_run(None, parse_accelerator_type("GPU_2xH200"), hidden)
+
+
+def test_the_no_gpu_notice_is_for_a_defaulted_count_only():
+    assert plan_run(None, None, NO_GPU).notice.startswith("no GPU found: 2 CPU processes; use the gloo backend")
+    assert plan_run(2, None, NO_GPU).notice == ""
+    assert plan_run(None, parse_accelerator_type("CPU"), NO_GPU).notice == ""
+
+
+def test_more_cpu_ranks_than_cores_is_a_warning():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    plan = plan_run(cores + 1, None, NO_GPU)
+    assert plan.warning.startswith(f"{cores + 1} CPU processes share the {cores} core")
+    assert plan.warning.endswith(f"ask for at most {cores}")
+    assert plan_run(cores, None, NO_GPU).warning == ""

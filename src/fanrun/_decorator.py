@@ -31,6 +31,8 @@ class Options:
     num_accelerators: int | None
     accelerator: AcceleratorRequest | None
     timeout: float | None
+    # The count came as serverless_gpu's gpus=, which asks for GPUs: without them, an error, not CPU processes.
+    gpus_asked: bool = False
     experiment_name: str | None = None
     run_id: str | None = None
     tracking: bool = True
@@ -187,6 +189,7 @@ def distributed(
         num_accelerators=_check_count(num_accelerators),
         accelerator=_accelerators.parse_accelerator_type(accelerator_type),
         timeout=_check_timeout(timeout),
+        gpus_asked=gpus is not _UNSET,
         **_check_tracking(experiment_name, run_id, tracking),
         **_check_cluster(nodes, backend, placement_timeout, num_accelerators),
         warm=warm,
