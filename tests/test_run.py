@@ -218,3 +218,16 @@ def test_a_rank_ends_after_its_exit_work_without_the_interpreters_teardown(tmp_p
         assert (tmp_path / f"atexit_{rank}").exists()
         assert (tmp_path / f"thread_{rank}").exists()
         assert (tmp_path / f"unclosed_{rank}").read_text() == "buffered"
+
+
+@distributed(num_accelerators=2, max_restarts=1, tracking=False)
+def fails_once():
+    import os
+
+    if os.environ["RANK"] == "1" and os.environ["FANRUN_RESTART_COUNT"] == "0":
+        raise RuntimeError("the first attempt fails")
+    return os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["FANRUN_RESTART_COUNT"], os.environ["TORCHELASTIC_MAX_RESTARTS"]
+
+
+def test_a_restarted_attempts_ranks_see_torchruns_and_fanruns_restart_count():
+    assert fails_once.distributed() == [("1", "1", "1"), ("1", "1", "1")]
