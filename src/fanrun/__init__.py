@@ -18,6 +18,7 @@ from ._errors import FanrunError as FanrunError
 from ._errors import NodeEnvironmentError as NodeEnvironmentError
 from ._errors import NodeLostError as NodeLostError
 from ._errors import PayloadSerializationError as PayloadSerializationError
+from ._errors import PayloadSizeWarning as PayloadSizeWarning
 from ._errors import RankFailedError as RankFailedError
 from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import ResultSerializationError as ResultSerializationError
@@ -92,6 +93,7 @@ __all__ = [
     "NodeEnvironmentError",
     "NodeLostError",
     "PayloadSerializationError",
+    "PayloadSizeWarning",
     "RankFailedError",
     "RemoteTraceback",
     "ResultSerializationError",

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 import types
 from typing import Any, Callable
 
@@ -63,3 +65,15 @@ def raised_from_the_caller(method: Callable[..., Any]) -> property:
         "__signature__": inspect.signature(method),
     })
     return property(functools.partial(types.MethodType, call), doc=method.__doc__)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def caller_stacklevel() -> int:
+    """The stacklevel of warnings.warn, called by the function that calls this, that names the
+    first frame outside fanrun: the caller's own line."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

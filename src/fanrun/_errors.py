@@ -99,6 +99,10 @@ class TrackingWarning(UserWarning):
     """MLflow tracking could not be done for a call; the call itself went on."""
 
 
+class PayloadSizeWarning(UserWarning):
+    """A call is large to send: what it carries could be read by each rank instead."""
+
+
 class WorkingDirectoryError(FileNotFoundError, FanrunError):
     """The caller's working directory, where every rank starts, no longer exists."""
 
