@@ -287,3 +287,27 @@ def test_more_cpu_ranks_than_cores_is_a_warning():
     assert plan.warning.startswith(f"{cores + 1} CPU processes share the {cores} core")
     assert plan.warning.endswith(f"ask for at most {cores}")
     assert plan_run(cores, None, NO_GPU).warning == ""
+
+
+def test_the_signature_in_engine_md_is_the_decorators():
+    import ast
+    import inspect
+    import re
+    from pathlib import Path
+
+    from fanrun._decorator import _UNSET
+
+    page = (Path(__file__).parent.parent / "docs" / "engine.md").read_text()
+    block = re.search(r"## The decorator\n.*?```python\n(def distributed\(.*?\): \.\.\.)\n```", page, re.DOTALL)
+    assert block, "docs/engine.md has no signature block under '## The decorator'"
+    documented = ast.parse(block.group(1)).body[0].args
+    defaults = [None] * (len(documented.args) - len(documented.defaults)) + documented.defaults
+    written = [(a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, ast.literal_eval(d)) for a, d in zip(documented.args, defaults)]
+    written += [(a.arg, inspect.Parameter.KEYWORD_ONLY, ast.literal_eval(d)) for a, d in zip(documented.kwonlyargs, documented.kw_defaults)]
+    actual = [(p.name, p.kind, ... if p.default is _UNSET else p.default)
+              for p in inspect.signature(distributed).parameters.values()]
+    assert written == actual
+    # Each argument has its row in the table below it.
+    table = page[block.end():page.index("\n## ", block.end())]
+    rows = {name for row in re.findall(r"^\| (.*?) \|", table, re.MULTILINE) for name in re.findall(r"`(\w+)`", row)}
+    assert {name for name, _, _ in actual} <= rows, {name for name, _, _ in actual} - rows
