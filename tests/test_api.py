@@ -240,10 +240,11 @@ def test_arguments_that_do_not_fit_the_signature_are_a_type_error_before_any_ran
     for args, kwargs, says in [((), {}, "missing a required argument: 'epochs'"),
                                ((1, 2, 3), {}, "too many positional arguments"),
                                ((1,), {"epoch": 3}, "got an unexpected keyword argument 'epoch'")]:
-        with pytest.raises(TypeError, match=r"train\(epochs, batch_size=32\) cannot take the arguments given to "
+        with pytest.raises(fanrun.CallArgumentsError, match=r"train\(epochs, batch_size=32\) cannot take the arguments given to "
                                             rf"\.distributed\(\): {says}\. No rank was started"):
             train.distributed(*args, **kwargs)
     assert set(runs_dir.iterdir()) == before
+    assert issubclass(fanrun.CallArgumentsError, TypeError)
 
 
 # ---------------------------------------------------------------- gpus= asks for GPUs; CPU ranks and cores
