@@ -21,9 +21,11 @@ import inspect
 import os
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar, cast
 
 from . import _errors
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _finished_generator():
@@ -55,8 +57,9 @@ class _RaisedFromTheCaller(map):
             return map.__new__(cls, _THROW, (error.with_traceback(None),))
 
 
-def raised_from_the_caller(method: Callable[..., Any]) -> property:
-    """Decorates a method: errors for the caller are raised with the caller's frames only."""
+def raised_from_the_caller(method: _Method) -> _Method:
+    """Decorates a method: errors for the caller are raised with the caller's frames only. To type
+    checkers the method stays what it was."""
     call = type(method.__name__, (_RaisedFromTheCaller,), {
         "_method": staticmethod(method),
         "__doc__": method.__doc__,
@@ -64,7 +67,7 @@ def raised_from_the_caller(method: Callable[..., Any]) -> property:
         "__qualname__": method.__qualname__,
         "__signature__": inspect.signature(method),
     })
-    return property(functools.partial(types.MethodType, call), doc=method.__doc__)
+    return cast(_Method, property(functools.partial(types.MethodType, call), doc=method.__doc__))
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

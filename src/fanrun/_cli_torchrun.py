@@ -37,7 +37,8 @@ _LOOPBACK_HOSTS = {"", "localhost", "127.0.0.1", "::1", "[::1]"}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """torchrun's spellings, with dashes or underscores, hidden from fanrun's own help."""
+    """torchrun's spellings, with dashes or underscores, hidden from fanrun's own help but for
+    --max-restarts, which fanrun does as torchrun does."""
     hidden = argparse.SUPPRESS
     # What it is to torchrun, and to @distributed(max_restarts=).
     parser.add_argument(*_spellings("--max-restarts"), dest="max_restarts", default="0", metavar="N",
