@@ -336,11 +336,11 @@ def test_more_cpu_ranks_than_cores_warns_once_in_one_line(tmp_path):
 
 
 def test_torchs_nccl_error_where_no_gpu_is_visible_gets_the_gloo_hint():
-    # What a CUDA build of torch raises for init_process_group("nccl") where no GPU is visible.
+    # What a CUDA build of torch (2.11+cu130) raises for init_process_group("nccl") where no GPU is visible.
     @distributed(num_accelerators=2, accelerator_type="CPU", tracking=False)
     def nccl_without_gpus():
-        raise RuntimeError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
+        raise ValueError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
 
-    with pytest.raises(RuntimeError, match="ProcessGroupNCCL is only supported with GPUs") as caught:
+    with pytest.raises(ValueError, match="ProcessGroupNCCL is only supported with GPUs") as caught:
         nccl_without_gpus.distributed()
     assert any('Use init_process_group("gloo")' in note for note in caught.value.__notes__)
