@@ -217,3 +217,98 @@ def test_ray_init_without_ray_installed_says_how_to_install_it():
             "try:\n    fanrun.ray_init()\nexcept ImportError as error:\n    print(error)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install 'fanrun[ray]'" in done.stdout, done.stderr
+
+
+# ---------------------------------------------------------------- the package's namespace, the call's arguments
+
+
+def test_the_namespace_is_the_public_api_and_nothing_else():
+    import fanrun._decorator  # noqa: F401 (the call machinery, and the subpackages it loads)
+
+    assert {name for name in dir(fanrun) if not name.startswith("_")} == set(fanrun.__all__)
+    assert {"importlib", "TYPE_CHECKING"}.isdisjoint(vars(fanrun))
+    for name in fanrun.__all__:
+        assert getattr(fanrun, name) is not None, name
+
+
+def test_arguments_that_do_not_fit_the_signature_are_a_type_error_before_any_rank_starts(runs_dir):
+    @distributed(num_accelerators=2, tracking=False)
+    def train(epochs, batch_size=32):
+        raise AssertionError("must not run")
+
+    before = set(runs_dir.iterdir())
+    for args, kwargs, says in [((), {}, "missing a required argument: 'epochs'"),
+                               ((1, 2, 3), {}, "too many positional arguments"),
+                               ((1,), {"epoch": 3}, "got an unexpected keyword argument 'epoch'")]:
+        with pytest.raises(fanrun.CallArgumentsError, match=r"train\(epochs, batch_size=32\) cannot take the arguments given to "
+                                            rf"\.distributed\(\): {says}\. No rank was started"):
+            train.distributed(*args, **kwargs)
+    assert set(runs_dir.iterdir()) == before
+    assert issubclass(fanrun.CallArgumentsError, TypeError)
+
+
+# ---------------------------------------------------------------- gpus= asks for GPUs; CPU ranks and cores
+
+
+def test_gpus_asks_for_gpus_and_without_them_is_an_error():
+    with pytest.raises(fanrun.AcceleratorMismatchError, match=r"gpus=8 asks for GPUs, but this machine has no GPU "
+                                                              r"\(.*\); to run CPU processes here, pass num_accelerators=8"):
+        plan_run(8, None, NO_GPU, gpus_asked=True)
+    assert plan_run(2, None, machine(2), gpus_asked=True).use_gpus
+
+
+@pytest.mark.skipif(fanrun._accelerators.detect().visible, reason="needs a machine without a GPU")
+def test_gpus_on_a_machine_without_gpu_fails_before_any_process_starts(runs_dir):
+    before = set(runs_dir.iterdir())
+    with pytest.warns(FutureWarning, match="gpus= is a legacy name"):
+        decorated = distributed(gpus=8, tracking=False)(identity)
+    with pytest.raises(fanrun.AcceleratorMismatchError, match="gpus=8 asks for GPUs"):
+        decorated.distributed(1)
+    assert set(runs_dir.iterdir()) == before
+
+
+def test_a_gpu_type_where_every_gpu_is_hidden_is_an_error():
+    hidden = Inventory((), machine(2).machine, "CUDA_VISIBLE_DEVICES='' hides all 2 GPUs")
+    with pytest.raises(fanrun.AcceleratorMismatchError, match=r"'GPU_2xH200' asks for GPUs, but this process sees no "
+                                                              r"GPU \(CUDA_VISIBLE_DEVICES='' hides all 2 GPUs\)"):
+        plan_run(None, parse_accelerator_type("GPU_2xH200"), hidden)
+
+
+def test_the_no_gpu_notice_is_for_a_defaulted_count_only():
+    assert plan_run(None, None, NO_GPU).notice.startswith("no GPU found: 2 CPU processes; use the gloo backend")
+    assert plan_run(2, None, NO_GPU).notice == ""
+    assert plan_run(None, parse_accelerator_type("CPU"), NO_GPU).notice == ""
+
+
+def test_more_cpu_ranks_than_cores_is_a_warning():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    plan = plan_run(cores + 1, None, NO_GPU)
+    assert plan.warning.startswith(f"{cores + 1} CPU processes share the {cores} core")
+    assert plan.warning.endswith(f"ask for at most {cores}")
+    assert plan_run(cores, None, NO_GPU).warning == ""
+
+
+def test_the_signature_in_engine_md_is_the_decorators():
+    import ast
+    import inspect
+    import re
+    from pathlib import Path
+
+    from fanrun._decorator import _UNSET
+
+    page = (Path(__file__).parent.parent / "docs" / "engine.md").read_text()
+    block = re.search(r"## The decorator\n.*?```python\n(def distributed\(.*?\): \.\.\.)\n```", page, re.DOTALL)
+    assert block, "docs/engine.md has no signature block under '## The decorator'"
+    documented = ast.parse(block.group(1)).body[0].args
+    defaults = [None] * (len(documented.args) - len(documented.defaults)) + documented.defaults
+    written = [(a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, ast.literal_eval(d)) for a, d in zip(documented.args, defaults)]
+    written += [(a.arg, inspect.Parameter.KEYWORD_ONLY, ast.literal_eval(d)) for a, d in zip(documented.kwonlyargs, documented.kw_defaults)]
+    actual = [(p.name, p.kind, ... if p.default is _UNSET else p.default)
+              for p in inspect.signature(distributed).parameters.values()]
+    assert written == actual
+    # Each argument has its row in the table below it.
+    table = page[block.end():page.index("\n## ", block.end())]
+    rows = {name for row in re.findall(r"^\| (.*?) \|", table, re.MULTILINE) for name in re.findall(r"`(\w+)`", row)}
+    assert {name for name, _, _ in actual} <= rows, {name for name, _, _ in actual} - rows

@@ -110,7 +110,7 @@ def test_torchrun_flags_that_cannot_apply_name_what_to_do():
         ("--nnodes=2",): "--nnodes 2: fanrun run starts the ranks of this machine only",
         ("--master_port=29500",): "fanrun picks and holds a free port",
         ("--master-addr", "10.0.0.1"): "drop --master-addr",
-        ("--max-restarts=3",): "fanrun does not restart ranks",
+        ("--max-restarts=-1",): "--max-restarts must be a whole number of restarts, 0 or more, not '-1'",
         ("--start-method=fork",): "every rank is a fresh interpreter (spawn)",
         ("--rdzv_endpoint=node7:29400",): "fanrun run's rendezvous is on 127.0.0.1",
         ("--log_dir=/tmp/logs",): "FANRUN_RUNS_DIR",
@@ -135,3 +135,25 @@ def test_rank_killed_by_a_signal_exits_like_a_shell():
     done = run(["run", "-n", "2", "--no-python", "/bin/sh", "-c", 'if [ "$RANK" = 1 ]; then kill -SEGV $$; fi; sleep 60'])
     assert done.returncode == 128 + 11, done.stderr
     assert "killed by SIGSEGV" in done.stderr
+
+
+FLAKY = """
+import os, sys
+print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["FANRUN_RESTART_COUNT"],
+      os.environ["TORCHELASTIC_MAX_RESTARTS"], flush=True)
+if os.environ["RANK"] == "1" and int(os.environ["FANRUN_RESTART_COUNT"]) < int(sys.argv[1]):
+    sys.exit(3)
+"""
+
+
+def test_max_restarts_starts_every_rank_again_as_torchrun_does(tmp_path):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    done = run(["run", "-n", "2", "--max-restarts", "2", "flaky.py", "1"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[rank0]: attempt 0 0 2", "[rank0]: attempt 1 1 2",
+                                                "[rank1]: attempt 0 0 2", "[rank1]: attempt 1 1 2"]
+    assert done.stderr.count("; starting every rank again") == 1, done.stderr
+    # Every restart spent: the last attempt's failure is the run's.
+    done = run(["run", "-n", "2", "--max_restarts=1", "flaky.py", "5"], cwd=tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.count("[rank1]: attempt") == 2 and "attempt 1 of 2 failed" in done.stderr

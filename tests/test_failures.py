@@ -272,3 +272,75 @@ def test_cpu_asked_for_or_gloo_used_brings_no_notice(tmp_path):
     done = run_seed_code(tmp_path, 'accelerator_type="CPU"', "gloo")
     assert done.returncode == 0, done.stderr
     assert "no GPU found" not in done.stderr and "[1, 1]" in done.stdout
+
+
+def fanrun_frames(error: BaseException) -> list[str]:
+    import os
+    import traceback
+
+    package = os.path.dirname(fanrun.__file__) + os.sep
+    return [f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(error.__traceback__)
+            if frame.filename.startswith(package)]
+
+
+def test_the_raised_error_shows_the_callers_frames_and_none_of_fanruns():
+    @distributed(num_accelerators=2, tracking=False)
+    def fails():
+        raise ValueError("the data is bad")
+
+    with pytest.raises(ValueError, match=r"\[rank \d\] the data is bad") as caught:
+        fails.distributed()
+    assert fanrun_frames(caught.value) == []
+    assert isinstance(caught.value.__cause__, RemoteTraceback)  # the rank's own traceback stays
+    # An error found before any rank starts, too.
+    with pytest.raises(TypeError, match="cannot take the arguments") as caught:
+        fails.distributed(1)
+    assert fanrun_frames(caught.value) == []
+
+
+def run_caller(tmp_path, code: str):
+    import subprocess
+    import sys
+
+    script = tmp_path / "caller.py"
+    script.write_text(code)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+
+def test_a_count_given_brings_no_gpu_notice(tmp_path):
+    # The notice comes from the plan, before any rank runs: what the ranks do (gloo or not) is not its business.
+    done = run_caller(tmp_path, "from fanrun import distributed\n\n@distributed(num_accelerators=2, tracking=False)\n"
+                                "def one():\n    return 1\n\nprint(one.distributed())\n")
+    assert done.returncode == 0, done.stderr
+    assert "no GPU found" not in done.stderr and "[1, 1]" in done.stdout
+
+
+@pytest.mark.skipif(fanrun._accelerators.detect().visible, reason="needs a machine without a GPU")
+def test_the_no_gpu_notice_comes_once_per_process(tmp_path):
+    done = run_caller(tmp_path, "from fanrun import distributed\n\n@distributed(tracking=False)\ndef one():\n"
+                                "    return 1\n\nprint(one.distributed(), one.distributed())\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("no GPU found") == 1, done.stderr
+
+
+def test_more_cpu_ranks_than_cores_warns_once_in_one_line(tmp_path):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    done = run_caller(tmp_path, f"from fanrun import distributed\n\n@distributed({cores + 1}, accelerator_type='CPU', "
+                                f"tracking=False)\ndef one():\n    return 1\n\nprint(one.distributed(), one.distributed())\n")
+    assert done.returncode == 0, done.stderr
+    warned = [line for line in done.stderr.splitlines() if "share the" in line]
+    assert warned == [f"fanrun: {cores + 1} CPU processes share the {cores} cores this process may use, so each runs "
+                      f"slower than one alone and a collective waits for the slowest; ask for at most {cores}"], done.stderr
+
+
+def test_torchs_nccl_error_where_no_gpu_is_visible_gets_the_gloo_hint():
+    # What a CUDA build of torch (2.11+cu130) raises for init_process_group("nccl") where no GPU is visible.
+    @distributed(num_accelerators=2, accelerator_type="CPU", tracking=False)
+    def nccl_without_gpus():
+        raise ValueError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
+
+    with pytest.raises(ValueError, match="ProcessGroupNCCL is only supported with GPUs") as caught:
+        nccl_without_gpus.distributed()
+    assert any('Use init_process_group("gloo")' in note for note in caught.value.__notes__)

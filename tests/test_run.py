@@ -8,6 +8,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 import fanrun
 from fanrun import distributed
 from fanrun._launch import paths as _paths
@@ -218,3 +220,42 @@ def test_a_rank_ends_after_its_exit_work_without_the_interpreters_teardown(tmp_p
         assert (tmp_path / f"atexit_{rank}").exists()
         assert (tmp_path / f"thread_{rank}").exists()
         assert (tmp_path / f"unclosed_{rank}").read_text() == "buffered"
+
+
+@distributed(num_accelerators=2, max_restarts=1, tracking=False)
+def fails_once():
+    import os
+
+    if os.environ["RANK"] == "1" and os.environ["FANRUN_RESTART_COUNT"] == "0":
+        raise RuntimeError("the first attempt fails")
+    return os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["FANRUN_RESTART_COUNT"], os.environ["TORCHELASTIC_MAX_RESTARTS"]
+
+
+def test_a_restarted_attempts_ranks_see_torchruns_and_fanruns_restart_count():
+    assert fails_once.distributed() == [("1", "1", "1"), ("1", "1", "1")]
+
+
+def test_a_large_global_is_named_with_its_size_and_what_to_do_instead(runs_dir):
+    import warnings
+
+    from fanrun._payload import serialize_call
+
+    # As in a notebook: a function of a module that cannot be imported travels by value, with its globals.
+    cell = {"__name__": "a_notebook_cell", "LARGE_TABLE": bytes(120 * 1000 * 1000)}
+    exec("def uses_the_large_table(rows):\n    return len(LARGE_TABLE) + rows\n", cell)
+    uses_the_large_table = cell["uses_the_large_table"]
+    with pytest.warns(fanrun.PayloadSizeWarning) as caught:
+        serialize_call(uses_the_large_table, (3,), {})
+    (warning,) = caught
+    assert str(warning.message).startswith(
+        "the call of 'uses_the_large_table' is 120 MB pickled, which every rank reads before it starts: the global "
+        "'LARGE_TABLE' used by 'uses_the_large_table' is 120 MB. Load such data inside the function instead (pass its "
+        "path"), str(warning.message)
+    assert warning.filename == __file__  # the caller's line, not fanrun's
+    # Through the decorator, before any rank starts (here, where the warning is made an error).
+    before = set(runs_dir.iterdir())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fanrun.PayloadSizeWarning)
+        with pytest.raises(fanrun.PayloadSizeWarning, match=r"positional argument 0 is 120 MB"):
+            distributed(num_accelerators=2, tracking=False)(len).distributed(cell["LARGE_TABLE"])
+    assert set(runs_dir.iterdir()) == before

@@ -1,12 +1,13 @@
 """fanrun: run one Python function on every accelerator of a machine and get back what every rank returned."""
 
-import importlib
+from importlib import import_module as _import_module
 from typing import TYPE_CHECKING
 
 from ._accelerators import DEFAULT_CPU_RANKS as DEFAULT_CPU_RANKS
 from ._accelerators import AcceleratorType as AcceleratorType
 from ._accelerators import GPUType as GPUType
 from ._errors import AcceleratorMismatchError as AcceleratorMismatchError
+from ._errors import CallArgumentsError as CallArgumentsError
 from ._errors import ClusterResourcesError as ClusterResourcesError
 from ._errors import DescriptorLimitError as DescriptorLimitError
 from ._errors import EngineError as EngineError
@@ -17,6 +18,7 @@ from ._errors import FanrunError as FanrunError
 from ._errors import NodeEnvironmentError as NodeEnvironmentError
 from ._errors import NodeLostError as NodeLostError
 from ._errors import PayloadSerializationError as PayloadSerializationError
+from ._errors import PayloadSizeWarning as PayloadSizeWarning
 from ._errors import RankFailedError as RankFailedError
 from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import ResultSerializationError as ResultSerializationError
@@ -68,10 +70,57 @@ def __getattr__(name: str):
     module = _CALL_MACHINERY.get(name)
     if module is None:
         raise AttributeError(f"module 'fanrun' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(_import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 
 
+# The public names, loaded or not; subpackages (fanrun.data) are imported by name.
+__all__ = [
+    "AcceleratorMismatchError",
+    "AcceleratorType",
+    "CallArgumentsError",
+    "ClusterResourcesError",
+    "DEFAULT_CPU_RANKS",
+    "DescriptorLimitError",
+    "DistributedFunction",
+    "EngineError",
+    "EngineInvalidArgument",
+    "EngineOSError",
+    "ExecutableNotFoundError",
+    "FanrunError",
+    "GPUType",
+    "NodeEnvironmentError",
+    "NodeLostError",
+    "PayloadSerializationError",
+    "PayloadSizeWarning",
+    "RankFailedError",
+    "RemoteTraceback",
+    "ResultSerializationError",
+    "Run",
+    "RunCancelledError",
+    "RunNotFoundError",
+    "RunTimeoutError",
+    "StacksError",
+    "TorchDistributor",
+    "TrackingWarning",
+    "UnknownRunError",
+    "UnsafePathError",
+    "WorkingDirectoryError",
+    "attach",
+    "cooldown",
+    "distributed",
+    "flush_tracking",
+    "ray_init",
+    "ray_shutdown",
+    "runs",
+    "stacks",
+    "warmup",
+]
+del TYPE_CHECKING  # a name for type checkers, not part of the package
+
+
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_CALL_MACHINERY})
+    # Subpackages become attributes once imported (fanrun.backends, by the launcher); dir() shows
+    # what the package offers, the same before and after.
+    return sorted({*__all__, *(name for name in globals() if name.startswith("_"))})

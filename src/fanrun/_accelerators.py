@@ -160,8 +160,11 @@ class Plan:
     use_gpus: bool
     description: str  # "2 x NVIDIA H200", "2 CPU processes"
     accelerator_type: str  # "GPU_2xH200" or "CPU"
-    # Where GPUs were looked for and none was found: what was started instead, for the caller to show.
+    # Where GPUs were looked for and none was found, and the count was fanrun's default: what was
+    # started instead, for the caller to show once.
     notice: str = ""
+    # More CPU ranks than this process has cores: what that costs, for the caller to show once.
+    warning: str = ""
     # Machines the ranks are spread over, world_size / nodes on each: one, this machine, unless a
     # cluster backend places them.
     nodes: int = 1
@@ -171,11 +174,19 @@ class Plan:
     placement_timeout_s: float = 60.0
 
 
-def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, inventory: Inventory) -> Plan:
-    """Checks the request against the hardware; every mismatch is an error here, before any process starts."""
+def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, inventory: Inventory, *,
+             gpus_asked: bool = False) -> Plan:
+    """Checks the request against the hardware; every mismatch is an error here, before any process starts.
+    `gpus_asked`: the count came as serverless_gpu's gpus=, which asks for GPUs, not CPU processes."""
     use_gpus = bool(inventory.visible) and not (request and request.cpu)
     if request and not request.cpu:
         _check_type_matches(request, inventory)
+    if gpus_asked and not inventory.visible and not (request and request.cpu):
+        count = "" if num_accelerators is None else f"={num_accelerators}"
+        raise AcceleratorMismatchError(
+            f"gpus{count} asks for GPUs, but this machine has {inventory.describe()}; to run CPU processes here, "
+            f"pass num_accelerators{count} instead"
+        )
     if use_gpus:
         available = len(inventory.visible)
         if num_accelerators is None:
@@ -189,6 +200,7 @@ def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, i
         gpus = inventory.visible[:num_accelerators]
         model = gpus[0].model
         return Plan(num_accelerators, True, inventory.describe(gpus), f"GPU_{num_accelerators}x{model}")
+    defaulted = num_accelerators is None
     if num_accelerators is None:
         num_accelerators = DEFAULT_CPU_RANKS
     limit, why = max_cpu_ranks()
@@ -200,9 +212,15 @@ def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, i
     noun = "process" if num_accelerators == 1 else "processes"
     description = f"{num_accelerators} CPU {noun}"
     notice = ""
-    if not inventory.visible and not (request and request.cpu):
+    if defaulted and not inventory.visible and not (request and request.cpu):
+        # Told only where fanrun chose: a count or a type given says the caller knows already.
         notice = f'no GPU found: {description}; use the gloo backend (init_process_group("gloo"))'
-    return Plan(num_accelerators, False, description, "CPU", notice)
+    cores = len(os.sched_getaffinity(0))
+    warning = ""
+    if num_accelerators > cores:
+        warning = (f"{description} share the {cores} core{'s' if cores != 1 else ''} this process may use, so each "
+                   f"runs slower than one alone and a collective waits for the slowest; ask for at most {cores}")
+    return Plan(num_accelerators, False, description, "CPU", notice, warning)
 
 
 def max_cpu_ranks() -> tuple[int, str]:
@@ -226,6 +244,11 @@ def _check_type_matches(request: AcceleratorRequest, inventory: Inventory) -> No
         raise AcceleratorMismatchError(
             f"accelerator_type {request.text!r} asks for GPUs, but this machine has {inventory.describe(machine)}; "
             f"leave accelerator_type unset (or 'CPU') to run CPU processes here"
+        )
+    if not inventory.visible:
+        raise AcceleratorMismatchError(
+            f"accelerator_type {request.text!r} asks for GPUs, but this process sees {inventory.describe()}; "
+            f"make them visible, or leave accelerator_type unset (or 'CPU') to run CPU processes here"
         )
     models = {gpu.model for gpu in machine}
     # 'A10' matches an A10G, not an A100: the model may only grow by letters.

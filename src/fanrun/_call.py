@@ -35,7 +35,8 @@ def plan_for(options: Options) -> tuple[_accelerators.Plan, _accelerators.Invent
         plan = ray_backend.plan(options.num_accelerators, options.accelerator, options.nodes or 1, options.placement_timeout)
         return plan, None
     inventory = _accelerators.detect()
-    return _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory), inventory
+    plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory, gpus_asked=options.gpus_asked)
+    return plan, inventory
 
 
 def run_call(payload: bytes | None, name: str, options: Options, plan: _accelerators.Plan,

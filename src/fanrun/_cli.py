@@ -8,11 +8,9 @@ import os
 import signal
 import sys
 
-from . import __version__, _accelerators, _cli_runs, _cli_torchrun
-from ._launch import gpu_locks
+from . import __version__, _accelerators, _call, _cli_runs, _cli_torchrun
 from ._launch.program import RankProgram
-from ._launch.run import run
-from ._decorator import DEFAULT_TIMEOUT
+from ._decorator import DEFAULT_TIMEOUT, Options
 from ._errors import RankFailedError, RemoteTraceback, RunTimeoutError, StacksError
 
 
@@ -85,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         if count is not None and count < 1:
             raise ValueError(f"-n must be at least 1, not {count}")
         accelerator_type = "CPU" if cpu and options.accelerator_type is None else options.accelerator_type
-        plan = _accelerators.plan_run(
-            count, _accelerators.parse_accelerator_type(accelerator_type), _accelerators.detect()
-        )
+        call = Options(num_accelerators=count, accelerator=_accelerators.parse_accelerator_type(accelerator_type),
+                       timeout=options.timeout if options.timeout and options.timeout > 0 else None,
+                       # The ranks' MLflow is the caller's environment's, as under torchrun.
+                       leave_mlflow_alone=True,
+                       max_restarts=_cli_torchrun.max_restarts(options))
+        plan, inventory = _call.plan_for(call)
         if not options.no_python and not options.module and not os.path.isfile(options.target):
             raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
                                     f"use -m for a module, or --no-python for a program")
@@ -95,15 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             program = RankProgram.native([options.target, *options.args])
         else:
             program = RankProgram.script(options.target, options.args, module=options.module)
-        name = options.target.rsplit("/", 1)[-1]
-        gpus = _accelerators.detect().visible[: plan.world_size] if plan.use_gpus else ()
-        with gpu_locks.hold(gpus, holder=repr(name), on_busy=lambda text: print(f"fanrun: {text}", file=sys.stderr)):
-            run(
-                name=name,
-                plan=plan,
-                program=program,
-                timeout=options.timeout if options.timeout and options.timeout > 0 else None,
-            )
+        # The one call path of the decorator's: the GPUs' locks, each attempt, the restarts.
+        _call.run_call(None, options.target.rsplit("/", 1)[-1], call, plan, inventory, rank_program=program)
         return 0
     except KeyboardInterrupt:
         print("fanrun: interrupted; every rank was stopped", file=sys.stderr)

@@ -12,7 +12,7 @@ _NO_OPS = {
     "--run-path": "runpy.run_path in each rank: how fanrun runs scripts",
 }
 # Flags with a value fanrun accepts only where it describes what fanrun does anyway.
-_VALUES = ("nnodes", "node_rank", "max_restarts", "start_method", "monitor_interval", "role",
+_VALUES = ("nnodes", "node_rank", "start_method", "monitor_interval", "role",
            "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf")
 # Flags fanrun refuses, each with what to do instead.
 _REFUSED = {
@@ -37,8 +37,13 @@ _LOOPBACK_HOSTS = {"", "localhost", "127.0.0.1", "::1", "[::1]"}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """torchrun's spellings, with dashes or underscores, hidden from fanrun's own help."""
+    """torchrun's spellings, with dashes or underscores, hidden from fanrun's own help but for
+    --max-restarts, which fanrun does as torchrun does."""
     hidden = argparse.SUPPRESS
+    # What it is to torchrun, and to @distributed(max_restarts=).
+    parser.add_argument(*_spellings("--max-restarts"), dest="max_restarts", default="0", metavar="N",
+                        help="when a rank fails, start every rank again, N times at most (default: 0); each attempt's "
+                        "ranks see TORCHELASTIC_RESTART_COUNT and FANRUN_RESTART_COUNT")
     for flag in _NO_OPS:
         parser.add_argument(*_spellings(flag), action="store_true", help=hidden)
     for dest in _VALUES:
@@ -58,9 +63,6 @@ def check_flags(options: argparse.Namespace) -> None:
                          f"run it with --nnodes 1 (or without it)")
     if options.node_rank is not None and options.node_rank.strip() != "0":
         raise ValueError(f"--node-rank {options.node_rank}: fanrun run is one node, rank 0; drop --node-rank")
-    if options.max_restarts is not None and options.max_restarts.strip() != "0":
-        raise ValueError(f"--max-restarts {options.max_restarts}: fanrun does not restart ranks; the first failure "
-                         f"stops the run and is reported. Resume from a checkpoint instead (fanrun.data.latest_checkpoint)")
     if options.start_method is not None and options.start_method.strip() != "spawn":
         raise ValueError(f"--start-method {options.start_method}: every rank is a fresh interpreter (spawn), never a "
                          f"fork of the launcher; drop --start-method")
@@ -72,6 +74,17 @@ def check_flags(options: argparse.Namespace) -> None:
         if host.strip() not in _LOOPBACK_HOSTS:
             raise ValueError(f"--rdzv-endpoint {options.rdzv_endpoint}: fanrun run's rendezvous is on 127.0.0.1, "
                              f"on a port it holds; drop --rdzv-endpoint")
+
+
+def max_restarts(options: argparse.Namespace) -> int:
+    """torchrun's --max-restarts: how many times every rank starts again after a failure (0 by default)."""
+    try:
+        restarts = int(options.max_restarts.strip())
+    except ValueError:
+        restarts = -1
+    if restarts < 0:
+        raise ValueError(f"--max-restarts must be a whole number of restarts, 0 or more, not {options.max_restarts!r}")
+    return restarts
 
 
 def nproc_per_node(value: str) -> tuple[int | None, bool]:

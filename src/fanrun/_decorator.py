@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 import warnings
@@ -15,6 +16,7 @@ from ._launch import preflight, spares
 from ._launch.output import DISPLAYS
 from ._launch.run import DEFAULT_STALL_WARNING_S
 from ._accelerators import AcceleratorRequest
+from ._caller_frames import raised_from_the_caller
 
 if TYPE_CHECKING:
     from ._runs.run import Run
@@ -29,6 +31,8 @@ class Options:
     num_accelerators: int | None
     accelerator: AcceleratorRequest | None
     timeout: float | None
+    # The count came as serverless_gpu's gpus=, which asks for GPUs: without them, an error, not CPU processes.
+    gpus_asked: bool = False
     experiment_name: str | None = None
     run_id: str | None = None
     tracking: bool = True
@@ -68,19 +72,14 @@ class DistributedFunction(Generic[R]):
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         return self._fn(*args, **kwargs)
 
+    @raised_from_the_caller
     def distributed(self, *args: Any, **kwargs: Any) -> list[R] | Run:
         """Runs the function once per rank with these arguments; returns every rank's value, in
         rank order (with detach=True, a fanrun.Run at once, whose .result() gives them)."""
-        __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
-        try:
-            return self._run(args, kwargs)
-        except BaseException as error:
-            if not _errors.raised_for_the_caller(error):
-                raise
-            # Shown from the caller's own line: fanrun's frames in between say nothing to them.
-            raise error.with_traceback(None)  # noqa: B904 (the cause, a rank's traceback, stays)
+        return self._run(args, kwargs)
 
     def _run(self, args: tuple, kwargs: dict) -> list[R] | Run:
+        _check_arguments(self._fn, args, kwargs)
         options = self._options
         plan, inventory = _call.plan_for(options)
         # Before the MLflow run starts: a call that cannot start leaves no trace.
@@ -190,6 +189,7 @@ def distributed(
         num_accelerators=_check_count(num_accelerators),
         accelerator=_accelerators.parse_accelerator_type(accelerator_type),
         timeout=_check_timeout(timeout),
+        gpus_asked=gpus is not _UNSET,
         **_check_tracking(experiment_name, run_id, tracking),
         **_check_cluster(nodes, backend, placement_timeout, num_accelerators),
         warm=warm,
@@ -216,6 +216,22 @@ def distributed(
         return DistributedFunction(fn, options)
 
     return decorate
+
+
+def _check_arguments(fn: Callable, args: tuple, kwargs: dict) -> None:
+    """The arguments against the function's signature, here: a rank would raise the same TypeError
+    only once every rank has started."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature to read: the ranks will tell
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        raise _errors.CallArgumentsError(
+            f"{name}{signature} cannot take the arguments given to .distributed(): {error}. No rank was started"
+        ) from None
 
 
 def _check_count(value: Any) -> int | None:

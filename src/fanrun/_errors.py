@@ -27,6 +27,10 @@ class PayloadSerializationError(TypeError, FanrunError):
     """The function, an argument or a captured object cannot be pickled to send to the ranks."""
 
 
+class CallArgumentsError(TypeError, FanrunError):
+    """The arguments of a call do not fit the function's signature."""
+
+
 class ResultSerializationError(TypeError, FanrunError):
     """A rank returned a value that cannot be pickled to send back."""
 
@@ -93,6 +97,10 @@ class RunCancelledError(FanrunError):
 
 class TrackingWarning(UserWarning):
     """MLflow tracking could not be done for a call; the call itself went on."""
+
+
+class PayloadSizeWarning(UserWarning):
+    """A call is large to send: what it carries could be read by each rank instead."""
 
 
 class WorkingDirectoryError(FileNotFoundError, FanrunError):

@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Callable
 
 from . import _accelerators, _errors
+from ._caller_frames import raised_from_the_caller
 from ._launch.program import RankProgram
 from ._launch.run import run
 from ._decorator import DEFAULT_TIMEOUT, DistributedFunction, Options
@@ -43,15 +44,10 @@ class TorchDistributor:
         self.local_mode = local_mode
         self.use_gpu = use_gpu
 
+    @raised_from_the_caller
     def run(self, train_object: Callable | str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         """Rank 0's return value for a function; None for a file."""
-        __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
-        try:
-            return self._run(train_object, args, kwargs)
-        except BaseException as error:
-            if not _errors.raised_for_the_caller(error):
-                raise
-            raise error.with_traceback(None)  # noqa: B904 (the cause, a rank's traceback, stays)
+        return self._run(train_object, args, kwargs)
 
     def _run(self, train_object: Callable | str | os.PathLike, args: tuple, kwargs: dict) -> Any:
         accelerator = None if self.use_gpu else _accelerators.AcceleratorType.CPU

@@ -6,9 +6,9 @@ import re
 
 # What torch raises when a rank without a GPU calls CUDA or asks for NCCL: a CPU build
 # ("_cuda_setDevice", "not compiled with CUDA", "doesn't have NCCL built in") or a CUDA build
-# on a machine without a usable GPU.
+# on a machine without a usable GPU ("ProcessGroupNCCL is only supported with GPUs, no GPUs found!").
 _GPU_ONLY = re.compile(
-    r"_cuda_|not compiled with CUDA|\bNCCL\b|No CUDA GPUs|NVIDIA driver|CUDA-capable device|CUDA driver",
+    r"_cuda_|not compiled with CUDA|NCCL\b|No CUDA GPUs|NVIDIA driver|CUDA-capable device|CUDA driver",
     re.IGNORECASE,
 )
 

@@ -26,9 +26,10 @@ from .spares import KeptRanks
 # A panel flags a rank with no output, progress or metric for this long (as @distributed's default).
 DEFAULT_STALL_WARNING_S = 300.0
 
-# Whether this process has said that it found no GPU: once is enough, a notebook that calls
-# again knows it by then.
+# Whether this process has said that it found no GPU, and which warnings about the plan it gave:
+# once is enough, a notebook that calls again knows them by then.
 no_gpu_notice_shown = False
+plan_warnings_shown: set[str] = set()
 
 
 def run(
@@ -62,6 +63,9 @@ panel shows, gives what samples the ranks' GPUs for it."""
     if plan.notice and not no_gpu_notice_shown:
         no_gpu_notice_shown = True
         print(f"fanrun: {plan.notice}", file=sys.stderr, flush=True)
+    if plan.warning and plan.warning not in plan_warnings_shown:
+        plan_warnings_shown.add(plan.warning)
+        print(f"fanrun: {plan.warning}", file=sys.stderr, flush=True)
     if paths is None:
         with RunPaths.create(name) as own_paths:
             return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm, keep,
