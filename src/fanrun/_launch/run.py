@@ -170,4 +170,6 @@ def _last_lines(error: BaseException) -> list[str]:
     """What the panel shows of a failure: the end of the rank's traceback, or the message."""
     cause = error.__cause__
     text = str(cause) if isinstance(cause, RemoteTraceback) else str(error)
-    return text.strip().splitlines()
+    # Lines end at newlines only: splitlines() would also end one at a C1 or other control that
+    # the rank's message holds, which the panel then leaves out.
+    return text.strip().split("\n")
