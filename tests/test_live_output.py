@@ -17,6 +17,7 @@ import termios
 import time
 from pathlib import Path
 
+import long_lines
 import nbformat
 import pyte
 import pytest
@@ -81,14 +82,14 @@ def expect_one_final_row_per_bar(lines: list[str], ranks: int) -> None:
     assert len(rows) == 2 * ranks, "\n".join(lines)
 
 
-def run_in_terminal(script: Path, timeout: float = 240) -> list[tuple[float, bytes]]:
-    """Runs `script` with its stdout and stderr on a pseudo-terminal of COLUMNS x ROWS;
+def run_in_terminal(script: Path, timeout: float = 240, columns: int = COLUMNS) -> list[tuple[float, bytes]]:
+    """Runs `script` with its stdout and stderr on a pseudo-terminal of `columns` x ROWS;
     returns what it wrote there, chunk by chunk, with the time each chunk came."""
     pid, master = pty.fork()
     if pid == 0:  # the child: its stdio is the terminal
         os.environ["TERM"] = "xterm"
         os.execv(sys.executable, [sys.executable, str(script)])
-    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, columns, 0, 0))
     chunks: list[tuple[float, bytes]] = []
     deadline = time.monotonic() + timeout
     try:
@@ -111,9 +112,9 @@ def run_in_terminal(script: Path, timeout: float = 240) -> list[tuple[float, byt
     return chunks
 
 
-def rendered(chunks: list[tuple[float, bytes]]) -> list[str]:
+def rendered(chunks: list[tuple[float, bytes]], columns: int = COLUMNS) -> list[str]:
     """Every line a terminal shows after those writes: those scrolled off the top, then the screen."""
-    screen = pyte.HistoryScreen(COLUMNS, ROWS, history=10_000)
+    screen = pyte.HistoryScreen(columns, ROWS, history=10_000)
     pyte.ByteStream(screen).feed(b"".join(chunk for _, chunk in chunks))
     scrolled = ["".join(char.data for char in row.values()).rstrip() for row in screen.history.top]
     lines = scrolled + [row.rstrip() for row in screen.display]
@@ -249,3 +250,50 @@ def test_a_line_without_newline_shows_in_a_notebook_cell_while_the_rank_waits(tm
     arrivals = asyncio.run(scenario())
     assert arrivals["waiting"] - arrivals["start"] < 0.5
     assert stream_text(cell) == "[rank0]: start\n[rank0]: waiting... done\n"
+
+
+@pytest.mark.parametrize("display", ["logs", "panel"])
+def test_a_line_of_100_mb_without_newline_passes_a_terminal_in_seconds(tmp_path, display):
+    """Redrawn 1 MiB lines and 100 MB with no newline, in a terminal: the panel read each redraw
+    in time quadratic in its length (a 64 KiB line never returned)."""
+    script = tmp_path / "long_lines.py"
+    script.write_text(long_lines.caller(display))
+    chunks = run_in_terminal(script, timeout=300)
+    shown = b"".join(chunk for _, chunk in chunks).decode(errors="replace")
+    long_lines.check_cost(shown)
+    assert len(shown) < 5_000_000, len(shown)
+    assert rendered(chunks)[-2] == "returned"
+
+
+@pytest.mark.parametrize("display", ["logs", "panel"])
+def test_a_line_of_100_mb_without_newline_passes_a_notebook_cell_in_seconds(tmp_path, display):
+    cell = run_cells([long_lines.caller(display)], tmp_path)[0]
+    text = stream_text(cell)
+    long_lines.check_cost(text)
+    assert "returned\n" in text
+    shown = sum(len(o.get("text", "")) + sum(len(str(v)) for v in o.get("data", {}).values()) for o in cell.outputs)
+    assert shown < 5_000_000, shown
+
+
+@pytest.mark.parametrize("display", ["logs", "panel"])
+def test_no_control_sequence_of_a_rank_reaches_a_terminal(tmp_path, display):
+    """What a rank prints, its traceback in the panel's row included, reaches the terminal
+    without its control sequences: fanrun's own are the only ones there, and none is C1 or OSC."""
+    script = tmp_path / "hostile.py"
+    script.write_text(long_lines.hostile_caller(display))
+    shown = b"".join(chunk for _, chunk in run_in_terminal(script)).decode()
+    between = re.findall(r"<<(.*?)>>", shown, re.S)
+    assert between and set(between) == {long_lines.SAFE[2:-2]}, between
+    assert not [c for c in shown if 0x7f <= ord(c) <= 0x9f] and "\x1b]" not in shown and "\x1bP" not in shown
+    if display == "panel":
+        assert f"ValueError: {long_lines.SAFE}" in shown, shown[-3000:]
+
+
+def test_no_control_sequence_of_a_rank_reaches_a_notebook_panel(tmp_path):
+    cell = run_cells([long_lines.hostile_caller("panel")], tmp_path)[0]
+    panels = [o for o in cell.outputs if o.output_type == "display_data"]
+    assert len(panels) == 1, cell.outputs
+    page, rows = panels[0].data["text/html"], panels[0].data["text/plain"]
+    assert long_lines.controls_in(page + rows + stream_text(cell)) == [], (page, rows)
+    assert f"ValueError: {long_lines.SAFE.replace('<', '&lt;').replace('>', '&gt;')}" in page, page
+    assert f"[rank0]: {long_lines.SAFE}" in rows, rows

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import long_lines
+import pytest
 
 from fanrun import distributed
 
@@ -51,7 +56,7 @@ def test_progress_bar_redraws_in_place(capsys):
     assert err.count("\n") == 1
 
 
-def test_partial_long_and_binary_output_is_kept(capsys):
+def test_partial_long_and_binary_output_is_shown_bounded_and_kept_whole(capsys):
     @distributed(num_accelerators=1)
     def odd_output():
         import os
@@ -65,8 +70,9 @@ def test_partial_long_and_binary_output_is_kept(capsys):
     run_dir = odd_output.distributed()[0]
     out, _ = capsys.readouterr()
     lines = out.splitlines()
-    assert "".join(line.removeprefix("[rank0]: ") for line in lines if "x" * 100 in line) == "x" * 200_000
-    assert "[rank0]: bin:\ufffd\ufffd\x00end" in lines
+    # The display shows a line's first 64 KiB, and the log keeps it whole.
+    assert "[rank0]: " + "x" * 65536 + long_lines.left_out_note(200_000 - 65536) in lines
+    assert "[rank0]: bin:\ufffd\ufffdend" in lines  # the NUL, a control character, is not shown
     assert lines[-1] == "[rank0]: no newline at the end"
     with open(os.path.join(run_dir, "rank_0.log"), "rb") as f:
         assert f.read() == b"x" * 200_000 + b"\nbin:\xff\xfe\x00end\nno newline at the end"
@@ -95,3 +101,38 @@ def test_a_quiet_call_wakes_its_caller_rarely_and_its_log_keeps_every_line(monke
     # would be 300.
     assert 1 <= len(wakes) <= 10, len(wakes)
     assert Path(run_dir, "rank_0.log").read_text() == "".join(f"line {line}\n" for line in range(300))
+
+
+@pytest.mark.parametrize("display", ["logs", "quiet", "panel"])
+def test_a_line_of_100_mb_without_newline_passes_a_pipe_in_seconds_and_shows_cut(tmp_path, display):
+    """A rank's line of any length costs its caller little time and memory, whatever the display
+    (a panel asked for on a pipe shows logs): the display shows its first 64 KiB and says how much
+    more the rank's log holds."""
+    script = tmp_path / "long_lines.py"
+    script.write_text(long_lines.caller(display))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    long_lines.check_cost(done.stdout)
+    shown = done.stdout.splitlines()
+    assert shown[-2:-1] == ["returned"], done.stdout[-3000:]
+    if display == "quiet":
+        assert len(shown) == 2, done.stdout[-3000:]
+        return
+    assert len(done.stdout) < 1_000_000  # two calls' lines, of 64 KiB at most each, and not 100 MB
+    assert "[rank0]: " + "a" * 65536 in shown  # 64 KiB: shown whole
+    huge = "[rank0]: " + "x" * long_lines.SHOWN + long_lines.left_out_note(long_lines.HUGE - long_lines.SHOWN)
+    assert huge in shown, done.stdout[-3000:]
+
+
+def test_no_control_sequence_of_a_rank_reaches_a_pipe(tmp_path):
+    """Escape sequences (7-bit and C1), C0 and DEL in what a rank prints, in a line, a line shown
+    before its end and a line redrawn: none is written on the caller's streams."""
+    script = tmp_path / "hostile.py"
+    script.write_text(long_lines.hostile_caller("logs"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.endswith("raised\n"), done.stderr[-3000:]
+    out, err = done.stdout, done.stderr
+    assert long_lines.controls_in(out + err) == [], (out, err)
+    assert f"[rank0]: {long_lines.SAFE}\n" in out and f"[rank0]: {long_lines.SAFE}\n" in err
+    assert f"[rank0]: start {long_lines.SAFE} end\n" in out
+    assert f"2/3 {long_lines.SAFE}" in out

@@ -10,14 +10,16 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
+import pyte
 import pytest
 from nbclient import NotebookClient
 from gpus import needs_gpus
 from processes import processes_of_runs_under, wait_gone
-from test_live_output import rendered, run_in_terminal
+from test_live_output import ROWS, rendered, run_in_terminal
 
 from fanrun._launch import progress_text
 from fanrun._launch.panel import Panel
@@ -191,6 +193,36 @@ def test_a_gpu_rank_row_shows_its_gpu_utilisation_and_memory(tmp_path):
     frames = b"".join(chunk for _, chunk in run_in_terminal(script)).decode(errors="replace")
     busy = [int(m) for m in re.findall(r"rank 0  GPU 0 \(GPU (\d+)% [0-9.]+ GB\)  running", frames)]
     assert busy and max(busy) >= 50, frames[-3000:]
+
+
+def test_at_80_columns_the_panel_keeps_its_stacks_command_whole(tmp_path):
+    """In a terminal of 80 columns, every state of the screen is read as it stands: the running
+    panel's hint, wrapped to the width, shows `fanrun stacks RUN` whole on one row, with a run
+    that exists (a row cut at the width left half the run's name)."""
+    script = tmp_path / "panel.py"
+    script.write_text(PANEL_CALL.format(ranks=2, fail_rank=-1))
+    screen = pyte.Screen(80, ROWS)
+    stream = pyte.ByteStream(screen)
+    commands = set()
+    for _, chunk in run_in_terminal(script, columns=80):
+        stream.feed(chunk)
+        commands |= {m.group(1) for row in screen.display for m in re.finditer(r"fanrun stacks ([\w.-]+)", row)}
+    runs = os.environ["FANRUN_RUNS_DIR"]
+    assert commands and all(os.path.isdir(os.path.join(runs, run)) for run in commands), commands
+    assert "returned [0, 1]" in [row.rstrip() for row in screen.display], screen.display
+
+
+def test_a_progress_line_of_any_length_is_read_in_time_linear_in_its_tail():
+    """tqdm's forms read back from the end of a line, and lines that only look like them, long:
+    regular expressions tried at every place of a line had not read these in 60 s."""
+    bar = "train:  45%|####5     | 45/100 [00:01<00:01, 39.82it/s]"
+    assert progress_text.parse("x" * 1_000_000 + bar).n == 45
+    lookalikes = ["x" * 10_000_000, "1%|" * 1_000_000, "1/" * 1_000_000, "1a [" * 1_000_000 + "]", "9" * 10_000_000,
+                  ":" * 1_000_000 + "%|1|", "1" * 100_000 + "%|" + " " * 100_000 + "|"]
+    started = time.process_time()
+    for text in lookalikes * 10:
+        progress_text.parse(text)
+    assert time.process_time() - started < 2.0  # well under a millisecond each, here
 
 
 STALLING = """

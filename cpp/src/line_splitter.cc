@@ -76,6 +76,9 @@ void LineSplitter::Append(std::string_view text, const Sink& sink) {
     sink(SegmentKind::kPartial, pending_);
     pending_.clear();
     row_started_ = true;
+    // A row this long is no bar, whatever began it: its rest goes on as a line's pieces, not as
+    // redraws that each show the text after the last piece (a display would see a new line there).
+    after_carriage_return_ = false;
   }
 }
 

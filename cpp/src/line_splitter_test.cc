@@ -62,6 +62,17 @@ TEST(LineSplitterTest, VeryLongLineComesInBoundedPieces) {
   EXPECT_EQ(got[2], std::make_pair(SegmentKind::kLine, std::string(10000 - 8192, 'x')));
 }
 
+TEST(LineSplitterTest, ARedrawnRowPastTheLimitGoesOnAsOneLine) {
+  // Read in chunks as a pipe hands them over: each chunk's end would show the redraw so far.
+  const Segments got = Split({"\r" + std::string(1000, 'x'), std::string(3000, 'x'), std::string(1000, 'x') + "\n"});
+  EXPECT_EQ(got, (Segments{{SegmentKind::kProgress, std::string(1000, 'x')},
+                           {SegmentKind::kPartial, std::string(1024, 'x')},
+                           {SegmentKind::kPartial, std::string(1024, 'x')},
+                           {SegmentKind::kPartial, std::string(1024, 'x')},
+                           {SegmentKind::kPartial, std::string(1024, 'x')},
+                           {SegmentKind::kLine, std::string(904, 'x')}}));
+}
+
 TEST(LineSplitterTest, BinaryBytesPassThroughUntouched) {
   const std::string binary("\x00\x01\xff\xfe", 4);
   const Segments got = Split({binary + "\n"});

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <utility>
 
 namespace fanrun {
@@ -15,6 +16,10 @@ namespace {
 
 constexpr size_t kReadChunk = 64 * 1024;
 constexpr size_t kLongestLogText = 4 << 20;
+// Longer than any of fanrun's control messages ("log 4194304"): a line of the control channel
+// that grows past this without a newline is not one, and is dropped as it comes, so that the
+// buffer, and the search for its newline, stay this small.
+constexpr size_t kLongestControlLine = 64;
 // A year bounds every period: beyond it the clock arithmetic would overflow.
 constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
 // Output gathered past this is reported at once: a rank that floods its stream is not held in
@@ -215,7 +220,14 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
     FANRUN_WARN_NOT_OK(r.control.Close(), "closing a rank's control channel");
     return;
   }
-  r.control_buffer.append(buffer, static_cast<size_t>(n));
+  std::string_view read(buffer, static_cast<size_t>(n));
+  if (r.control_line_dropped) {  // the rest of a line dropped, up to its end
+    const size_t end = read.find('\n');
+    if (end == std::string_view::npos) return;
+    read.remove_prefix(end + 1);
+    r.control_line_dropped = false;
+  }
+  r.control_buffer.append(read);
   size_t newline;
   while ((newline = r.control_buffer.find('\n')) != std::string::npos) {
     const std::string message = r.control_buffer.substr(0, newline);
@@ -249,6 +261,10 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
       OnKept(rank, events);
       return;  // its channel waits for its next call now, not for more messages
     }
+  }
+  if (r.control_buffer.size() > kLongestControlLine && r.control_buffer.find('\n') == std::string::npos) {
+    r.control_buffer.clear();
+    r.control_line_dropped = true;
   }
 }
 

@@ -114,6 +114,18 @@ TEST_F(SupervisorTest, ALogMessageThatIsNotOneIsDropped) {
   EXPECT_EQ(ReadFile(dir_ + "/rank_0.log"), "");
 }
 
+TEST_F(SupervisorTest, ALongControlLineIsDroppedAsItComesAndTheNextMessageRead) {
+  // 16 MB without a newline, read 256 bytes at a time: searched whole at each read, it took minutes.
+  auto supervisor = Supervisor::Start(Options(
+      {"head -c 16000000 /dev/zero | tr '\\0' x >&3; printf 'tail\\nfailed\\n' >&3; exec sleep 100"}));
+  ASSERT_TRUE(supervisor.ok());
+  const auto start = std::chrono::steady_clock::now();
+  RunToEnd(**supervisor);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 0);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kRankFailed);
+}
+
 TEST_F(SupervisorTest, TimeoutDumpsStacksThenKills) {
   auto options = Options({"trap 'echo dumping >&2' USR1; echo up; while :; do sleep 0.05; done",
                           "trap 'echo dumping >&2' USR1; while :; do sleep 0.05; done"});

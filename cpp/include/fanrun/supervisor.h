@@ -120,6 +120,7 @@ class Supervisor {
     std::unique_ptr<Stream> out, err;
     FileDescriptor control;
     std::string control_buffer;
+    bool control_line_dropped = false;  // the control line read now was too long: skipped to its end
     bool done = false;
     bool spare = false;  // its control channel is a socket, on which it can take another call
     bool kept = false;   // it said kControlKept: its call is over, it waits for the next one

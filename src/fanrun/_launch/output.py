@@ -1,7 +1,8 @@
 """Writes the ranks' output to the caller's sys.stdout / sys.stderr, labelled by rank.
 
 The engine hands up lines, starts of lines not ended yet, and progress states (a line
-redrawn with '\\r'). With display="logs", output_views.py shows them as the caller's stream
+redrawn with '\\r'). Every view gets them without control sequences, and at most
+SHOWN_LINE_CHARS of a line. With display="logs", output_views.py shows them as the caller's stream
 allows: a bar stays one row in a terminal, in a Jupyter cell and (bounded) in a file or pipe.
 With display="panel", they feed one live panel instead (panel_view.py); with "quiet", only the
 run's logs get them.
@@ -9,6 +10,7 @@ run's logs get them.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import os
 import time
@@ -24,8 +26,10 @@ from .panel_view import PanelView, QuietView
 DISPLAYS = ("panel", "logs", "quiet")
 
 TAIL_LINES = 40
-# The start of a line kept to complete it; a longer line is shown in pieces of this size.
-MAX_HELD_CHARS = 256 * 1024
+# Of one line, a display shows and holds this many characters; the rest is counted, and said at
+# the line's end. The rank's log keeps the whole line. A rank can print a line of gigabytes, with
+# no newline: shown whole, it would cost the caller as much memory, and a notebook its browser.
+SHOWN_LINE_CHARS = 64 * 1024
 
 
 def default_display() -> str | None:
@@ -61,7 +65,7 @@ class OutputMux:
         else:
             self._views = views_for_streams(self._labels)
         self.gather_s = min(view.gather_s for view in self._unique_views())  # for the engine's wait
-        self._held: dict[tuple[int, int], str] = {}  # (rank, stream) -> start of its line
+        self._lines: dict[tuple[int, int], _LineShown] = {}  # (rank, stream) -> its line so far
         self.stderr_tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(world_size)]
         self._capturing: dict[int, list[str]] | None = None
 
@@ -72,27 +76,29 @@ class OutputMux:
         return self._capturing
 
     def write(self, rank: int, stream_number: int, segment: _core.SegmentKind, data: bytes) -> None:
-        text = data.decode("utf-8", "replace")
         key = (rank, stream_number)
         view = self._views[stream_number]
         now = time.monotonic()
         if segment == _core.SegmentKind.PROGRESS:
-            self._held.pop(key, None)  # the line is redrawn from its start
-            view.progress(key, visible(text), now)
+            self._lines.pop(key, None)  # the line is redrawn from its start
+            view.progress(key, _LineShown().add(data, final=True), now)
             return
-        held = self._held.pop(key, "")
-        if segment == _core.SegmentKind.PARTIAL and len(held) + len(text) < MAX_HELD_CHARS:
-            self._held[key] = held + text
-            view.partial(key, visible(text), visible(held + text), now)
+        shown = self._lines.pop(key, None) or _LineShown()
+        if segment == _core.SegmentKind.PARTIAL:
+            self._lines[key] = shown
+            piece = shown.add(data)
+            if piece:
+                view.partial(key, piece, shown.text, now)
             return
-        line = held + text
-        if stream_number == 2 and self._capturing is not None:
-            self._capturing[rank].append(line)
-            self.stderr_tails[rank].append(line)
-            return
-        view.line(key, visible(line), visible(text), now)
+        end = shown.add(data, final=True)
+        note = shown.left_out_note(contract.log_name(rank))
+        rest, line = end + note, shown.text + note
         if stream_number == 2:
             self.stderr_tails[rank].append(line)
+            if self._capturing is not None:
+                self._capturing[rank].append(line)
+                return
+        view.line(key, line, rest, now)
 
     @property
     def rank_env(self) -> dict[str, str]:
@@ -134,3 +140,31 @@ class OutputMux:
 
     def _unique_views(self) -> list[View]:
         return list({id(view): view for view in self._views.values()}.values())
+
+
+class _LineShown:
+    """What the displays are shown of one line of a rank's stream, piece by piece: its first
+    SHOWN_LINE_CHARS characters without control sequences (output_views.visible); the rest only
+    counted. A character whose bytes two pieces split is decoded whole."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._taken = 0  # characters of the line shown, counted before visible() took any out
+        self.left_out = 0  # characters of the line not shown
+        self.text = ""  # all of the line shown so far
+
+    def add(self, data: bytes, final: bool = False) -> str:
+        """What `data` adds to the line, as shown; final: the line ends with it."""
+        decoded = self._decoder.decode(data, final)
+        taken = decoded[:max(SHOWN_LINE_CHARS - self._taken, 0)]
+        self._taken += len(taken)
+        self.left_out += len(decoded) - len(taken)
+        piece = visible(taken)
+        self.text += piece  # at most SHOWN_LINE_CHARS, in few pieces: the engine's are 64 KiB or time apart
+        return piece
+
+    def left_out_note(self, log_name: str) -> str:
+        """Said at the end of a line cut short; nothing for a line shown whole."""
+        if not self.left_out:
+            return ""
+        return f" [... {self.left_out:,} more characters: {log_name} in the run's directory holds the whole line]"

@@ -18,6 +18,8 @@ import sys
 import unicodedata
 from typing import Protocol, TextIO
 
+from .._terminal_text import printable
+
 # (rank, stream number: 1 stdout, 2 stderr)
 Key = tuple[int, int]
 
@@ -52,17 +54,20 @@ REDRAW_EVERY_S = 0.1
 PLAIN_REDRAW_EVERY_S = 1.0
 PLAIN_NEW_LINE_EVERY_S = 5.0
 
-_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -Z\\^-~]?)")
-_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+# A colour (SGR), the one sequence of a rank's that a display passes on; captured, so that split()
+# hands it back between the pieces of text around it.
+_COLOUR_SPLIT = re.compile(r"(\x1b\[[0-9;]*m)")
 _COLOUR_OR_CHARACTER = re.compile(r"\x1b\[[0-9;]*m|.", re.S)
 
 
 def visible(text: str) -> str:
-    """The text without escape sequences that move the cursor or erase (a rank's own
-    redraws would break ours), colours kept."""
-    if "\x1b" not in text:
+    """The text of a line with its colours, without any other control character or sequence
+    (C0 but the tab, DEL, C1, and every escape sequence): a rank's own cursor movements would
+    break the display's, and other sequences retitle the window or write the clipboard."""
+    if text.isprintable():
         return text
-    return _ESCAPE.sub(lambda m: m.group() if _COLOUR.fullmatch(m.group()) else "", text)
+    pieces = _COLOUR_SPLIT.split(text)
+    return "".join(piece if index % 2 else printable(piece, keep="\t") for index, piece in enumerate(pieces))
 
 
 def caller_surface(stream_number: int = 1) -> str:
@@ -323,7 +328,7 @@ def draw_block(stream: TextIO, lines: list[str], rows_now: int) -> int:
     screen, each fitted to a row and as many as the screen holds; returns the rows it has now.
     The cursor ends on its last row."""
     columns, height = _terminal_size(stream)
-    lines = [_fit(line, columns - 1) for line in lines]
+    lines = [fit(line, columns - 1) for line in lines]
     room = max(height - 1, 1)
     if len(lines) > room:
         lines = lines[: room - 1] + [f"... and {len(lines) - room + 1} more"]
@@ -339,6 +344,10 @@ def block_home(rows: int) -> str:
     return "\r" + (f"\x1b[{rows - 1}A" if rows > 1 else "")
 
 
+def terminal_columns(stream: TextIO) -> int:
+    return _terminal_size(stream)[0]
+
+
 def _terminal_size(stream: TextIO) -> tuple[int, int]:
     try:
         size = os.get_terminal_size(stream.fileno())
@@ -348,7 +357,7 @@ def _terminal_size(stream: TextIO) -> tuple[int, int]:
     return (size.columns or 80, size.lines or 24)
 
 
-def _fit(text: str, width: int) -> str:
+def fit(text: str, width: int) -> str:
     """The start of `text` that fits in `width` columns, colours kept and reset after."""
     parts: list[str] = []
     used = 0

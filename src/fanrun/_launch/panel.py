@@ -8,11 +8,15 @@ import collections
 import dataclasses
 import statistics
 
+from .._terminal_text import printable
 from . import progress_text
 from .progress_text import Progress
 
 # Lines of the whole call kept for the logs shown under the panel; the run's logs keep them all.
 LOG_LINES = 500
+# Of each line, what the panel keeps (for its logs, a rank's last line, a bar drawn as it came):
+# a row shows less, and 500 lines of 64 KiB each would be drawn into every redraw's text.
+LINE_CHARS = 1000
 # Lines of the root cause's traceback shown in its row.
 FAILURE_LINES = 8
 # A rank is a straggler when its rate is below this fraction of the ranks' median.
@@ -54,6 +58,7 @@ class Panel:
     def line(self, rank: int, text: str, now: float) -> None:
         row = self._alive(rank, now)
         final_bar = progress_text.parse(text, tqdm_only=True)
+        text = _kept(text)
         if final_bar is not None:  # a bar's last state, ended with a newline (tqdm's close)
             row.progress, row.bar_text = final_bar, text
         elif text.strip():
@@ -65,13 +70,13 @@ class Panel:
         """A line not ended yet ("waiting..."): its row shows it; the logs get it once it ends."""
         row = self._alive(rank, now)
         if text.strip():
-            row.last_line = text
+            row.last_line = _kept(text)
 
     def progress(self, rank: int, text: str, now: float) -> None:
         row = self._alive(rank, now)
         if not text.strip():
             return  # the bar was erased: the last state stays shown
-        row.bar_text = text
+        row.bar_text = _kept(text)
         parsed = progress_text.parse(text)
         if parsed is not None:
             row.progress = parsed
@@ -88,7 +93,8 @@ class Panel:
     def failed(self, rank: int, traceback: list[str]) -> None:
         row = self.rows[rank]
         row.state = "failed"
-        row.failure = [line for line in traceback if line.strip()][-FAILURE_LINES:]
+        # The rank's own words (its exception's message): no control sequence reaches the screen.
+        row.failure = [_kept(printable(line, keep="\t")) for line in traceback if line.strip()][-FAILURE_LINES:]
 
     def finish(self, ended_well: bool, failed_rank: int | None = None, traceback: list[str] = ()) -> None:
         """At the call's end: the root cause's row gets its traceback; ranks still shown as
@@ -135,3 +141,13 @@ class Panel:
         row = self.rows[rank]
         row.active_at = now
         return row
+
+
+def _kept(text: str) -> str:
+    if len(text) <= LINE_CHARS:
+        return text
+    cut = text[:LINE_CHARS]
+    escape = cut.rfind("\x1b", LINE_CHARS - 32)
+    if escape >= 0 and "m" not in cut[escape:]:  # a colour cut through: left out whole
+        cut = cut[:escape]
+    return cut + " [...]"

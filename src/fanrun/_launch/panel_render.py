@@ -5,6 +5,7 @@ Notebook 7, VS Code and an exported HTML file alike)."""
 from __future__ import annotations
 
 import html
+import textwrap
 
 from .panel import Panel, RankRow
 from .progress_text import format_rate, format_seconds
@@ -66,9 +67,11 @@ def progress_words(row: RankRow) -> str:
     return " ".join(parts)
 
 
-def text_rows(panel: Panel, now: float, colour: bool = False) -> list[str]:
+def text_rows(panel: Panel, now: float, colour: bool = False, width: int | None = None) -> list[str]:
     """One row per rank (and the failed rank's traceback lines below it), then the hint; with
-    colour, a failed rank's lines in red and flags in yellow (for a terminal)."""
+    colour, a failed rank's lines in red and flags in yellow (for a terminal). With a width, the
+    hint is wrapped to it (a row cut there would cut the command it gives); the other rows are
+    the caller's to cut."""
     red, yellow, reset = ("\x1b[31m", "\x1b[33m", "\x1b[0m") if colour else ("", "", "")
     stragglers = panel.stragglers()
     rows = []
@@ -85,8 +88,8 @@ def text_rows(panel: Panel, now: float, colour: bool = False) -> list[str]:
         line = f"rank {rank}  {row.where}{gpu}  {row.state:<8} {status}" + (f"  | {last}" if last else "")
         rows.append(red + line + reset if row.state == "failed" else line)
         rows.extend(f"{red}    {failure}{reset}" for failure in row.failure)
-    if panel.run_hint:
-        rows.append(panel.run_hint)
+    for line in panel.run_hint.splitlines():
+        rows.extend(textwrap.wrap(line, width, break_on_hyphens=False) if width else [line])
     return rows
 
 
@@ -96,7 +99,8 @@ def html_panel(panel: Panel, now: float) -> str:
     head = "".join(f'<th style="{cells}">{name}</th>'
                    for name in ("rank", "where", "state", "progress", "", "last line"))
     body = "".join(_html_row(panel, rank, row, now, stragglers, cells) for rank, row in enumerate(panel.rows))
-    hint = f'<div style="color:#666;margin-top:4px">{html.escape(panel.run_hint)}</div>' if panel.run_hint else ""
+    hint = (f'<div style="color:#666;margin-top:4px;white-space:pre-line">{html.escape(panel.run_hint)}</div>'
+            if panel.run_hint else "")
     plot = (f'<img class="fanrun-plot" alt="the metrics the ranks logged, by step" '
             f'src="data:image/png;base64,{panel.plot_png}">' if panel.plot_png else "")
     return (f'<div class="fanrun-panel" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'

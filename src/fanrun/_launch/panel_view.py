@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .output_views import Key, block_home, draw_block, flush_streams, out
+from .output_views import Key, block_home, draw_block, fit, flush_streams, out, terminal_columns
 from .panel import Panel
 from .panel_metrics import MetricFiles
 from .panel_plot import MetricPlot
@@ -135,7 +135,8 @@ class PanelView:
             # Written over the block, each row whole, what is left below it erased: erasing the
             # whole block first would clear the screen from its top, which tmux keeps in its history.
             stream = out(self._block_stream)
-            rows = text_rows(self.panel, now, colour=True)
+            width = terminal_columns(stream) - 1  # as the block's rows: a wider one would wrap
+            rows = [fit(row, width) for row in text_rows(self.panel, now, colour=True, width=width)]
             stream.write(block_home(self._rows) + "".join(row + "\x1b[K\n" for row in rows) + "\x1b[J")
             stream.flush()
             self._rows = 0
@@ -167,7 +168,9 @@ class PanelView:
             self._handle.update(self._bundle(now), raw=True)
 
     def _draw_in_terminal(self, now: float) -> None:
-        self._rows = draw_block(out(self._block_stream), text_rows(self.panel, now, colour=True), self._rows)
+        stream = out(self._block_stream)
+        rows = text_rows(self.panel, now, colour=True, width=terminal_columns(stream) - 1)
+        self._rows = draw_block(stream, rows, self._rows)
 
 
 class QuietView:

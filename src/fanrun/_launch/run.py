@@ -93,8 +93,9 @@ def _run_in(
         logs = f"Logs: {paths.directory}"
         display, stall_warning, open_gpu_sample = shown
         mux = OutputMux(plan.world_size, display, _where(plan), stall_warning, open_gpu_sample=open_gpu_sample,
-                        hints=(f"Stacks of every rank, without stopping them: fanrun stacks {paths.run_id} "
-                               f"(or fanrun.stacks() from another thread). {logs}", logs), run_dir=paths.directory)
+                        # The command first: a panel wrapped to its width keeps it on one row.
+                        hints=(f"fanrun stacks {paths.run_id} (or fanrun.stacks() from another thread) shows "
+                               f"every rank's stack without stopping it.\n{logs}", logs), run_dir=paths.directory)
         with SignalWakeup() as wakeup:
             # The first attempt unless extra_env says otherwise, whatever the caller's environment holds.
             first_attempt = {contract.ENV_RESTART_COUNT: "0", contract.ENV_MAX_RESTARTS: "0"}
@@ -174,4 +175,6 @@ def _last_lines(error: BaseException) -> list[str]:
     """What the panel shows of a failure: the end of the rank's traceback, or the message."""
     cause = error.__cause__
     text = str(cause) if isinstance(cause, RemoteTraceback) else str(error)
-    return text.strip().splitlines()
+    # Lines end at newlines only: splitlines() would also end one at a C1 or other control that
+    # the rank's message holds, which the panel then leaves out.
+    return text.strip().split("\n")
