@@ -58,7 +58,7 @@ def left_out_note(characters: int) -> str:
 # ended by BEL and by ST), C0, DEL, NEL (C1), DCS; what a display may show of it is SAFE.
 HOSTILE = ("<<a\x1b[2Jb\u009b2Jc\x1b]0;title\x07d\u009d0;t\u009ce\x07f\x00g\x7fh\u0085i\x1bPq\x1b\\j"
            "\x1b[5Ck\x1b(Bl\x08m>>")
-SAFE = "<<abcdefghijklm>>"
+SAFE = "<<abcde\\x07f\\x00g\\x7fh\\x85ijkl\\x08m>>"  # sequences gone, lone controls shown as text
 
 HOSTILE_CALLER = """
 import sys, time

@@ -72,7 +72,7 @@ def test_partial_long_and_binary_output_is_shown_bounded_and_kept_whole(capsys):
     lines = out.splitlines()
     # The display shows a line's first 64 KiB, and the log keeps it whole.
     assert "[rank0]: " + "x" * 65536 + long_lines.left_out_note(200_000 - 65536) in lines
-    assert "[rank0]: bin:\ufffd\ufffdend" in lines  # the NUL, a control character, is not shown
+    assert "[rank0]: bin:\ufffd\ufffd\\x00end" in lines  # the NUL, a control character, shown as text
     assert lines[-1] == "[rank0]: no newline at the end"
     with open(os.path.join(run_dir, "rank_0.log"), "rb") as f:
         assert f.read() == b"x" * 200_000 + b"\nbin:\xff\xfe\x00end\nno newline at the end"
