@@ -115,6 +115,11 @@ def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, floa
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
+def by_rank(client: MlflowClient, run_id: str, key: str, world_size: int = 2) -> list[list[tuple[int, float]]]:
+    """Each rank's history of `key`: rank 0's under the key, rank N's under key/rank_N."""
+    return [history(client, run_id, key if rank == 0 else f"{key}/rank_{rank}") for rank in range(world_size)]
+
+
 def artifact_text(client: MlflowClient, run_id: str, path: str, tmp_path) -> str:
     local = client.download_artifacts(run_id, path, str(tmp_path / f"download-{uuid.uuid4().hex[:6]}"))
     with open(local, errors="replace") as file:
@@ -154,7 +159,7 @@ def check_trained_run(client, experiment_id, run_ids, tmp_path):
     run_id = run.info.run_id
     # Every rank's active run is the call's run, and both ranks' metrics are on it.
     assert run_ids == [run_id, run_id]
-    assert history(client, run_id, "loss") == sorted([(s, float(s)) for s in range(3)] + [(s, 10.0 + s) for s in range(3)])
+    assert by_rank(client, run_id, "loss") == [[(s, float(s)) for s in range(3)], [(s, 10.0 + s) for s in range(3)]]
     assert run.info.status == "FINISHED"
     assert run.info.run_name.startswith("train-")
     assert run.data.params == {
@@ -318,19 +323,61 @@ def test_every_way_of_logging_reaches_its_run(sqlite_store):
     outer = [r for r in client.search_runs([experiment_id]) if r.info.run_name.startswith("log_every_way-")]
     assert len(outer) == 1, [(r.info.run_name, r.info.lifecycle_stage) for r in client.search_runs([experiment_id])]
     run_id = outer[0].info.run_id
-    assert history(client, run_id, "accuracy") == [(1, 0.5), (1, 1.5)]
-    assert history(client, run_id, "lr") == [(1, 0.1), (1, 0.2)]
-    assert history(client, run_id, "numpy_value") == [(1, 2.5), (1, 3.5)]
-    timed = sorted((m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, "timed"))
-    assert timed == [(5, 1_700_000_000_123, 1.0), (5, 1_700_000_000_123, 2.0)]
-    assert history(client, run_id, "client_metric") == [(2, 3.0), (2, 4.0)]
-    assert history(client, run_id, "from_forked_worker") == [(3, 7.0), (3, 8.0)]
+    assert by_rank(client, run_id, "accuracy") == [[(1, 0.5)], [(1, 1.5)]]
+    assert by_rank(client, run_id, "lr") == [[(1, 0.1)], [(1, 0.2)]]
+    assert by_rank(client, run_id, "numpy_value") == [[(1, 2.5)], [(1, 3.5)]]
+    for key, rank in (("timed", 0), ("timed/rank_1", 1)):
+        timed = [(m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, key)]
+        assert timed == [(5, 1_700_000_000_123, 1.0 + rank)]
+    assert by_rank(client, run_id, "client_metric") == [[(2, 3.0)], [(2, 4.0)]]
+    assert by_rank(client, run_id, "from_forked_worker") == [[(3, 7.0)], [(3, 8.0)]]
     assert "inner_metric" not in client.get_run(run_id).data.metrics
     for rank, (inner_id, bad_name_error) in enumerate(results):
         assert history(client, inner_id, "inner_metric") == [(4, 5.0 + rank)]
         assert client.get_run(inner_id).data.tags["mlflow.parentRunId"] == run_id
         # A bad name fails in the rank's own call, as it would without fanrun.
         assert bad_name_error is not None and "bad name!*" in bad_name_error
+
+
+@distributed(num_accelerators=2)
+def logs_as_every_rank_does(steps: int) -> None:
+    """What a training loop run on every rank logs: the same metric names, the same
+    hyperparameters, and a param and a tag whose values are the rank's own."""
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    mlflow.log_params({"lr": "0.1", "seed": str(1000 + rank)})
+    mlflow.set_tag("host_role", "leader" if rank == 0 else "worker")
+    mlflow.set_tag("team", "vision")
+    for step in range(steps):
+        mlflow.log_metric("loss", 100.0 * rank + step, step=step)
+    mlflow.log_metric(f"named/rank_{rank}", float(rank))  # named by its rank already: kept as it is
+
+
+def test_each_key_holds_rank_0s_values_and_key_rank_n_rank_ns(sqlite_store):
+    """Two ranks logging under the same names: `loss` is one series, one value per step, rank
+    0's; `loss/rank_1` is rank 1's. A param logged alike by both is one param; one whose value
+    differs is rank 0's under its key and rank 1's under key/rank_1, with a one-line warning
+    naming both, and the call succeeds. Tags follow the same rule."""
+    client, experiment_id = sqlite_store
+    with pytest.warns(TrackingWarning) as caught:
+        assert logs_as_every_rank_does.distributed(5) == [None, None]
+    run = only_run(client, experiment_id)
+    assert run.info.status == "FINISHED"
+    run_id = run.info.run_id
+    assert history(client, run_id, "loss") == [(step, float(step)) for step in range(5)]
+    assert history(client, run_id, "loss/rank_1") == [(step, 100.0 + step) for step in range(5)]
+    assert {key for key in run.data.metrics if key.startswith("named")} == {"named/rank_0", "named/rank_1"}
+    params = {k: v for k, v in run.data.params.items() if not k.startswith("fanrun.")}
+    assert params == {"lr": "0.1", "seed": "1000", "seed/rank_1": "1001"}
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "fanrun."))}
+    assert tags == {"host_role": "leader", "host_role/rank_1": "worker", "team": "vision"}
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "\n" not in messages[0]
+    assert "parameter 'seed' differs by rank (rank 0: '1000', rank 1: '1001')" in messages[0]
 
 
 # ---------------------------------------------------------------- where runs go without configuration
