@@ -340,7 +340,7 @@ def test_every_way_of_logging_reaches_its_run(sqlite_store):
 
 
 @distributed(num_accelerators=2)
-def logs_as_every_rank_does(steps: int) -> None:
+def logs_as_every_rank_does(steps: int) -> str | None:
     """What a training loop run on every rank logs: the same metric names, the same
     hyperparameters, and a param and a tag whose values are the rank's own."""
     import os
@@ -354,6 +354,11 @@ def logs_as_every_rank_does(steps: int) -> None:
     for step in range(steps):
         mlflow.log_metric("loss", 100.0 * rank + step, step=step)
     mlflow.log_metric(f"named/rank_{rank}", float(rank))  # named by its rank already: kept as it is
+    try:  # a rank that changes its own param: MLflow's error, in its own call
+        mlflow.log_param("lr", "0.2")
+    except mlflow.exceptions.MlflowException as error:
+        return str(error)
+    return None
 
 
 def test_each_key_holds_rank_0s_values_and_key_rank_n_rank_ns(sqlite_store):
@@ -363,7 +368,8 @@ def test_each_key_holds_rank_0s_values_and_key_rank_n_rank_ns(sqlite_store):
     naming both, and the call succeeds. Tags follow the same rule."""
     client, experiment_id = sqlite_store
     with pytest.warns(TrackingWarning) as caught:
-        assert logs_as_every_rank_does.distributed(5) == [None, None]
+        changed = logs_as_every_rank_does.distributed(5)
+    assert all("Changing param values is not allowed" in message for message in changed), changed
     run = only_run(client, experiment_id)
     assert run.info.status == "FINISHED"
     run_id = run.info.run_id
@@ -539,17 +545,20 @@ print("call", time.perf_counter() - started, flush=True)
 """
 # Generous for a machine shared with other work; the goal is 5 % or 0.2 s.
 COST_BOUND_S = 1.0
+# How long the first call's ranks work: the agent's start and MLflow's import (about two seconds
+# of CPU) happen meanwhile; a call whose ranks end sooner waits for the rest of them.
+FIRST_CALL_RANK_S = "5"
 
 
 @pytest.mark.slow
 def test_a_tracked_call_costs_what_an_untracked_one_does(tmp_path):
-    """Importing MLflow and making the run happen beside the ranks, and never waiting for it: a
-    process's first call, whose ranks return at once, from a fresh script (MLflow not yet
-    imported) to the ranks' results, is within COST_BOUND_S of the same call untracked.
-    Interleaved, medians of 3."""
+    """Importing MLflow and making the run happen beside the ranks: a process's first call, from a
+    fresh script (MLflow not yet imported) to the ranks' results, whose ranks work for
+    FIRST_CALL_RANK_S (longer than MLflow's import), is within COST_BOUND_S of the same call
+    untracked, its wait for the run's close included. Interleaved, medians of 3."""
 
     def call_seconds(mode: str) -> float:
-        done = run_caller(CALLER_TIMED, tmp_path, mode, "0")
+        done = run_caller(CALLER_TIMED, tmp_path, mode, FIRST_CALL_RANK_S)
         assert done.returncode == 0, done.stderr
         return float(done.stdout.split("call ")[1].split()[0])
 
