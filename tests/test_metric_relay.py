@@ -88,6 +88,18 @@ def test_params_and_tags_of_other_ranks_are_kept_for_the_close_not_written(relay
     assert relay.keyed == [("param", 1, "seed", "1001"), ("tag", 1, "role", "worker"), ("tag", 1, "role", "still a worker")]
 
 
+def test_a_relay_that_forwards_passes_params_and_tags_on_with_the_metrics():
+    """A cluster node's relay forwards to the caller's: every record goes on, in order."""
+    store = Store()
+    relay = MetricRelay(store.write, keep_keyed=False)
+    relay.start()
+    sender = MetricSender(relay.path, interval_s=0.0)
+    sender.add([record("loss/rank_2", 1.0, 0), ("param", 2, "seed", "1002")])
+    assert relay.stop(5.0)
+    assert store.batches == [[record("loss/rank_2", 1.0, 0), ("param", 2, "seed", "1002")]]
+    assert relay.keyed == []
+
+
 def test_values_wait_no_longer_than_the_two_intervals(relay_and_store, monkeypatch):
     relay, store = relay_and_store
     sender = MetricSender(relay.path, interval_s=0.1)

@@ -69,10 +69,14 @@ class RelaySocket:
 
 
 class MetricRelay:
-    """Serves `listener` (a RelaySocket's own if none is given) until stop(); `path` goes to the ranks."""
+    """Serves `listener` (a RelaySocket's own if none is given) until stop(); `path` goes to the ranks.
+    With keep_keyed=False (a cluster node's relay, whose `write` forwards to the caller's), the
+    params' and tags' records are passed to `write` with the metrics, in the order they came."""
 
-    def __init__(self, write: Callable[[list[Record]], None], listener: socket.socket | None = None) -> None:
+    def __init__(self, write: Callable[[list[Record]], None], listener: socket.socket | None = None,
+                 keep_keyed: bool = True) -> None:
         self._write = write
+        self._keep_keyed = keep_keyed
         self._own = RelaySocket() if listener is None else None
         self._listener = self._own.listener if self._own is not None else listener
         self.path = self._own.path if self._own is not None else self._listener.getsockname()
@@ -195,7 +199,7 @@ class MetricRelay:
             except Exception:
                 continue  # not a rank's message (only our own user can reach the socket): ignored
             for record in received:
-                (self.keyed if len(record) == KEYED_RECORD_LENGTH else records).append(record)
+                (self.keyed if self._keep_keyed and len(record) == KEYED_RECORD_LENGTH else records).append(record)
 
     def _store(self, records: list[Record]) -> None:
         if not records:
