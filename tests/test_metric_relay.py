@@ -76,6 +76,30 @@ def test_values_of_every_sender_are_written_once_in_few_batches(relay_and_store)
     assert not os.path.exists(relay.path)
 
 
+def test_params_and_tags_of_other_ranks_are_kept_for_the_close_not_written(relay_and_store):
+    """A rank other than 0 sends its params and tags beside its metrics: the metrics are written,
+    the params and tags kept, in order, for the run's close (rank_values.py)."""
+    relay, store = relay_and_store
+    sender = MetricSender(relay.path, interval_s=0.0)
+    sender.add([record("loss/rank_1", 1.0, 0), ("param", 1, "seed", "1001"), ("tag", 1, "role", "worker")])
+    sender.add([("tag", 1, "role", "still a worker"), record("loss/rank_1", 2.0, 1)])
+    assert relay.stop(5.0)
+    assert store.values() == [record("loss/rank_1", 1.0, 0), record("loss/rank_1", 2.0, 1)]
+    assert relay.keyed == [("param", 1, "seed", "1001"), ("tag", 1, "role", "worker"), ("tag", 1, "role", "still a worker")]
+
+
+def test_a_relay_that_forwards_passes_params_and_tags_on_with_the_metrics():
+    """A cluster node's relay forwards to the caller's: every record goes on, in order."""
+    store = Store()
+    relay = MetricRelay(store.write, keep_keyed=False)
+    relay.start()
+    sender = MetricSender(relay.path, interval_s=0.0)
+    sender.add([record("loss/rank_2", 1.0, 0), ("param", 2, "seed", "1002")])
+    assert relay.stop(5.0)
+    assert store.batches == [[record("loss/rank_2", 1.0, 0), ("param", 2, "seed", "1002")]]
+    assert relay.keyed == []
+
+
 def test_values_wait_no_longer_than_the_two_intervals(relay_and_store, monkeypatch):
     relay, store = relay_and_store
     sender = MetricSender(relay.path, interval_s=0.1)

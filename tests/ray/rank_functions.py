@@ -54,6 +54,6 @@ def log_where_node_1_cannot_see_the_store(store_folder):
 
     rank = int(os.environ["RANK"])
     for step in range(3):
-        mlflow.log_metric(f"rank_{rank}", rank * 10 + step, step=step)
+        mlflow.log_metric(f"steps/rank_{rank}", rank * 10 + step, step=step)
     mlflow.log_param(f"param_{rank}", rank)
     return mlflow.active_run().info.run_id

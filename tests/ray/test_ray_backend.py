@@ -313,13 +313,13 @@ def log_a_metric_per_rank():
 
     rank = int(os.environ["RANK"])
     for step in range(3):
-        mlflow.log_metric(f"rank_{rank}", rank * 10 + step, step=step)
+        mlflow.log_metric(f"steps/rank_{rank}", rank * 10 + step, step=step)
     return mlflow.active_run().info.run_id
 
 
 def tracked_call_in_a_sqlite_store(monkeypatch, folder, call) -> tuple[MlflowClient, str]:
     """Runs `call` tracked, in a sqlite store in `folder`; (its client, the call's run id), once
-    every rank's metric rank_N (rank * 10 + step, steps 0-2) is in the store."""
+    every rank's metric steps/rank_N (rank * 10 + step, steps 0-2) is in the store."""
     monkeypatch.delenv("FANRUN_TRACKING", raising=False)
     uri = f"sqlite:///{folder / 'store.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -333,7 +333,7 @@ def tracked_call_in_a_sqlite_store(monkeypatch, folder, call) -> tuple[MlflowCli
     assert len(set(run_ids)) == 1
     client = MlflowClient(uri)
     for rank in range(4):
-        history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"rank_{rank}"))
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"steps/rank_{rank}"))
         assert history == [(step, rank * 10 + step) for step in range(3)]
     return client, run_ids[0]
 
@@ -378,8 +378,9 @@ def test_ranks_that_cannot_see_the_callers_sqlite_store_still_log_their_metrics_
         monkeypatch, store_folder, lambda: log_where_node_1_cannot_see_the_store.distributed(str(store_folder)))
     # Node 0 reached the store itself; node 1's parameters had nowhere to go, and the caller says so.
     params = client.get_run(run_id).data.params
-    assert params.get("param_0") == "0" and params.get("param_1") == "1"
-    assert "param_2" not in params and "param_3" not in params
+    # Rank 1's param is under param_1/rank_1: what a rank other than 0 logs (docs/tracking.md's rule).
+    assert params.get("param_0") == "0" and params.get("param_1/rank_1") == "1"
+    assert not [key for key in params if key.startswith(("param_2", "param_3"))]
     assert "ranks on other machines cannot see this call's MLflow store" in capfd.readouterr().err
 
 

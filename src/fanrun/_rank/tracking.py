@@ -145,7 +145,8 @@ def _after_import(mlflow, state: tuple) -> None:
         except Exception as error:
             _say(f"could not stand in for the unreachable tracking store ({type(error).__name__}: {error})")
             return
-        _activate(mlflow, run_id, channel)
+        # The store of nowhere stands in for this rank's params and tags as for the rest it logs.
+        _activate(mlflow, run_id, channel, send_params=False)
         return
     off = state[1]
     try:
@@ -158,7 +159,7 @@ def _say(text: str) -> None:
     print(f"fanrun: rank {os.environ.get('RANK', '?')}: {text}", file=sys.stderr, flush=True)
 
 
-def _activate(mlflow, run_id: str, channel: socket.socket) -> None:
+def _activate(mlflow, run_id: str, channel: socket.socket, send_params: bool = True) -> None:
     # Without this, the run would become active only at the first logging call, and
     # mlflow.active_run() would be None until then. The run is resumed, not created: the
     # agent made it and sets its final status once every rank has ended.
@@ -178,7 +179,7 @@ def _activate(mlflow, run_id: str, channel: socket.socket) -> None:
              f"the function's mlflow calls may fail the same way.")
         return
     try:
-        _send_metrics_to_caller(mlflow, run_id, channel)
+        _send_metrics_to_caller(mlflow, run_id, channel, send_params)
     except Exception as error:
         # The store itself still takes them: slower, nothing lost.
         _say(f"logs its metrics straight to the tracking store ({type(error).__name__}: {error})")
@@ -200,7 +201,7 @@ def flush_metrics() -> None:
             pass  # the caller is gone: the run is over
 
 
-def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) -> None:
+def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket, send_params: bool = True) -> None:
     """Makes this process send the metrics of the call's run to the caller, by both ways a
     metric reaches MLflow's store: the fluent mlflow.log_metric/log_metrics, and the store."""
     import runpy
@@ -214,18 +215,35 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket) ->
     _pending_flushes.append(sender.flush)
 
     feed = _panel_feed()
+    suffix = rank_suffix()
 
     def send(records: list[tuple]) -> None:
         """records: (key, value, timestamp, step, model_id, dataset_name, dataset_digest)."""
-        for key, value, timestamp, step, *_ in records:
+        on_run = [(on_the_run(key, suffix), *rest) for key, *rest in records] if suffix else records
+        for key, value, timestamp, step, *_ in on_run:
             # Checked here, as the store would: a bad name or value raises in the rank's own call.
             _validate_metric(key, value, timestamp, step)
-        sender.add(records)
+        sender.add(on_run)
         if feed is not None:
-            feed(records)
+            feed(records)  # the panel plots each rank's own series, under the names it logged
 
-    _route_store(call_run_id, send)
+    _route_store(call_run_id, send, sender.add if suffix and send_params else None)
     _shortcut_fluent_logging(mlflow, call_run_id, send)
+
+
+def rank_suffix() -> str:
+    """What this rank's metrics are renamed with on the call's run: rank 0 logs under the names
+    the function gives, rank N under `name/rank_N`, so that every key holds one series, one value
+    per step, and the UI shows each rank's beside rank 0's. (Rank 0 is the one every training
+    script already treats as the run's voice.)"""
+    rank = os.environ.get("RANK", "0")
+    return "" if rank in ("", "0") else f"/rank_{rank}"
+
+
+def on_the_run(key: str, suffix: str) -> str:
+    """A metric's name on the call's run; one that names its rank already (fanrun.data's
+    `data/wait_seconds/rank_N`, a user's own `loss/rank_N`) is kept as it is."""
+    return key if key.endswith(suffix) else key + suffix
 
 
 def _panel_feed():
@@ -236,18 +254,35 @@ def _panel_feed():
     return feed
 
 
-def _route_store(call_run_id: str, send) -> None:
+def _route_store(call_run_id: str, send, send_keyed=None) -> None:
     """MLflow's store object for the tracking URI, cached and shared by every MlflowClient, sends
-    the call's run's metrics; other runs' metrics, parameters and tags still go to the store."""
+    the call's run's metrics; other runs' metrics still go to the store. On a rank other than 0
+    (`send_keyed` given), the call's run's parameters and tags go to the agent too, which puts
+    under each key rank 0's value and beside it, under `key/rank_N`, a value of this rank's that
+    differs (_tracking/rank_values.py): two ranks' values of one param would otherwise fail the
+    second rank with MLflow's "Changing param values is not allowed"."""
     from mlflow.tracking._tracking_service.utils import _get_store
     from mlflow.utils.async_logging.run_operations import RunOperations
 
     store = _get_store()
     store_log_metric, store_log_batch, store_log_batch_async = store.log_metric, store.log_batch, store.log_batch_async
+    store_log_param, store_set_tag = store.log_param, store.set_tag
 
     def send_metrics(metrics) -> None:
         send([(m.key, float(m.value), m.timestamp, m.step, getattr(m, "model_id", None),
                getattr(m, "dataset_name", None), getattr(m, "dataset_digest", None)) for m in metrics])
+
+    keyed = _KeyedValues(send_keyed) if send_keyed is not None else None
+
+    def split(run_id, metrics, params, tags):
+        """Sends what goes to the caller; returns what still goes to the store."""
+        if run_id != call_run_id:
+            return metrics, params, tags
+        if metrics:
+            send_metrics(metrics)
+        if keyed is not None:
+            params, tags = keyed.send(params, tags)
+        return (), params, tags
 
     def log_metric(run_id, metric):
         if run_id != call_run_id:
@@ -261,22 +296,71 @@ def _route_store(call_run_id: str, send) -> None:
         return RunOperations([])
 
     def log_batch(run_id, metrics=(), params=(), tags=()):
-        if run_id == call_run_id and metrics:
-            send_metrics(metrics)
-            metrics = ()
+        metrics, params, tags = split(run_id, metrics, params, tags)
         if metrics or params or tags:
             return store_log_batch(run_id, metrics=metrics, params=params, tags=tags)
 
     def log_batch_async(run_id, metrics=(), params=(), tags=()):
-        if run_id == call_run_id and metrics:
-            send_metrics(metrics)
-            metrics = ()
+        metrics, params, tags = split(run_id, metrics, params, tags)
         if metrics or params or tags:
             return store_log_batch_async(run_id, metrics, params, tags)
         return RunOperations([])
 
     store.log_metric, store.log_metric_async = log_metric, log_metric_async
     store.log_batch, store.log_batch_async = log_batch, log_batch_async
+    if keyed is None:
+        return
+
+    def log_param(run_id, param):
+        if run_id != call_run_id:
+            return store_log_param(run_id, param)
+        log_batch(run_id, params=[param])
+
+    def set_tag(run_id, tag):
+        if run_id != call_run_id:
+            return store_set_tag(run_id, tag)
+        log_batch(run_id, tags=[tag])
+
+    store.log_param, store.set_tag = log_param, set_tag
+    store.log_param_async = lambda run_id, param: log_batch_async(run_id, params=[param])
+    store.set_tag_async = lambda run_id, tag: log_batch_async(run_id, tags=[tag])
+
+
+class _KeyedValues:
+    """A rank's params and tags on the call's run, sent to the agent as ("param" | "tag", rank,
+    key, value) records; MLflow's own tags (mlflow.*, which MLflow sets itself) still go to the
+    store. A param this rank changes is refused, as MLflow's store would refuse it."""
+
+    def __init__(self, send_keyed) -> None:
+        from mlflow.exceptions import MlflowException
+        from mlflow.utils.validation import _validate_param, _validate_tag
+
+        self._send, self._exception = send_keyed, MlflowException
+        self._validate_param, self._validate_tag = _validate_param, _validate_tag
+        self._rank = int(os.environ.get("RANK", "0"))
+        self._params: dict[str, str] = {}
+
+    def send(self, params, tags) -> tuple[list, list]:
+        records, kept_tags = [], []
+        for param in params or ():
+            self._validate_param(param.key, param.value)
+            value = str(param.value)
+            before = self._params.setdefault(param.key, value)
+            if before != value:
+                raise self._exception(
+                    f"Changing param values is not allowed. Param with key='{param.key}' was already logged with "
+                    f"value='{before}' by rank {self._rank}. Attempted logging new value '{value}'.",
+                    "INVALID_PARAMETER_VALUE")
+            records.append(("param", self._rank, param.key, value))
+        for tag in tags or ():
+            if tag.key.startswith("mlflow."):
+                kept_tags.append(tag)
+                continue
+            self._validate_tag(tag.key, tag.value)
+            records.append(("tag", self._rank, tag.key, str(tag.value)))
+        if records:
+            self._send(records)
+        return [], kept_tags
 
 
 def _shortcut_fluent_logging(mlflow, call_run_id: str, send) -> None:

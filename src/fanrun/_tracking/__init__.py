@@ -10,6 +10,7 @@ and the call's outcome over a socket, and the agent makes, fills and closes the 
   agent.py             the agent process's main loop
   agent_run.py         one call's run inside the agent: made, fed, closed
   metric_relay.py      the metrics the ranks send, written to the run in batches
+  rank_values.py       the params and tags of ranks other than 0, under key/rank_N where they differ
   system_metrics.py    CPU, memory and GPU samples for the run
   links.py             the run's line or link in the caller's output
   store.py             fanrun's default store ($XDG_DATA_HOME/fanrun/mlflow)

@@ -6,7 +6,7 @@ thread of the caller that time would be taken turn about with the caller's own P
 since both need the GIL; in a process of its own it runs beside the caller and the ranks, on
 another core, and leaves the caller's process as it was: no mlflow imported there, no MLflow log
 lines or tqdm warnings in a notebook's cell. Kept for the caller's life, it is paid once: a later
-call's run is made in milliseconds, and its close is done while the caller goes on.
+call's run is made in milliseconds, and closed in a fraction of a second.
 
 Each call is a CallRun (agent_run.py) in a thread of its own. The main thread only reads the
 caller's messages (agent_channel.py), and watches the caller: when its channel closes or the

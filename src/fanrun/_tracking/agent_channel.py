@@ -25,6 +25,10 @@ START_DEADLINE_S = 20.0
 FINISH_DEADLINE_S = 60.0
 # On top of those: the agent's own start (an interpreter, fanrun and mlflow imported) on a busy machine.
 AGENT_START_S = 60.0
+# The most the agent takes to close a run once it has the call's outcome, each step within its own
+# bound: a run still being made (an attempt's after its submission's), the last system sample, the
+# ranks' last values, the close itself.
+CLOSE_DEADLINE_S = 2 * START_DEADLINE_S + 3 * FINISH_DEADLINE_S
 # Larger than any message (a call's description with the environment's changes, an outcome).
 MAX_MESSAGE = 1 << 20
 # A message carries at most one descriptor; room for more shows a peer that sent too many.

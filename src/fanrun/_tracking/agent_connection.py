@@ -3,9 +3,10 @@ call and kept for the life of the process, serving every call of every thread.
 
 Importing mlflow and opening a store cost seconds of CPU; paid once per process, a later call
 finds them done and its run is made in milliseconds. A call hands the agent its description and
-its ranks' metric socket, and later its outcome, and waits for nothing else: the agent closes
-the run in the background and says when it has ("closed"). What waits for the closes is
-wait_closed(): fanrun.flush_tracking() and the caller's exit.
+its ranks' metric socket, and later its outcome, and then waits until the agent says it has
+closed the run ("closed"): its status, parameters and the ranks' last metrics are then in the
+store. A close that overran that wait is waited for by wait_closed(): fanrun.flush_tracking()
+and the caller's exit.
 
 The agent dies with the caller: it watches the caller's pid (a pidfd, so a forked child that
 inherited the channel does not keep it alive) and its end of the channel, and then closes what
@@ -106,7 +107,7 @@ class AgentConnection:
         return call_id
 
     def finish_call(self, call_id: int, outcome: dict) -> None:
-        """Hands the agent the call's outcome, and returns: the run is closed in the background."""
+        """Hands the agent the call's outcome; wait_call_closed() waits for the run's close."""
         with self._state:
             if call_id not in self._calls:
                 return  # the agent has already ended it (it is gone)
@@ -116,6 +117,12 @@ class AgentConnection:
                 send(self._control, {"finish": {**outcome, "id": call_id}})
         except OSError:
             pass  # the agent is gone: the reader says so for this call too
+
+    def wait_call_closed(self, call_id: int, timeout: float | None) -> bool:
+        """Waits until the agent has closed this call's run (or is gone, which _lost() reports);
+        False if it has not after `timeout` seconds."""
+        with self._state:
+            return self._state.wait_for(lambda: call_id not in self._calls, timeout)
 
     def wait_closed(self, timeout: float | None) -> int:
         """Waits until the agent has closed the run of every call that has ended; returns how many it

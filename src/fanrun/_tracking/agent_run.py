@@ -21,6 +21,7 @@ from typing import Any
 from . import store as tracking_store
 from .agent_channel import FINISH_DEADLINE_S, START_DEADLINE_S, describe
 from .metric_relay import MetricRelay
+from .rank_values import write_other_ranks
 from .._launch.paths import rank_log
 from .links import TrackedRun, masked
 from .system_metrics import SystemMetricsSampler, sampling_interval
@@ -155,9 +156,15 @@ class CallRun:
         if not relay.stop(FINISH_DEADLINE_S):
             self.warnings.append(f"fanrun: the tracking store {masked(run.tracking_uri)} did not take the ranks' last "
                                  f"metrics within {FINISH_DEADLINE_S:g} s; the run is closed without them.")
-        elif relay.error is not None:
-            self.warnings.append(f"fanrun: {relay.dropped} metric values logged by the ranks could not be written to the "
-                                 f"MLflow run {run.run_name} ({describe(relay.error)}); the call's outcome is unchanged.")
+        else:
+            if relay.error is not None:
+                self.warnings.append(f"fanrun: {relay.dropped} metric values logged by the ranks could not be written to "
+                                     f"the MLflow run {run.run_name} ({describe(relay.error)}); the call's outcome is unchanged.")
+            try:
+                self.warnings += _within(FINISH_DEADLINE_S, write_other_ranks, run.client, run.run_id, run.run_name, relay.keyed)
+            except Exception as failure:
+                self.warnings.append(f"fanrun: the params and tags of ranks other than 0 could not be written to the MLflow "
+                                     f"run {run.run_name} ({describe(failure)}); the call's outcome is unchanged.")
         run_dir = Path(outcome["run_dir"]) if outcome["run_dir"] else None
         try:
             _within(FINISH_DEADLINE_S, _close_run, run, final_sample, run_dir, outcome["world_size"], status, outcome["tags"])

@@ -9,13 +9,14 @@ process never imports mlflow. The ranks learn the run through a socket the calle
 they start and hands to the agent, and only when their function imports mlflow
 (_rank/tracking.py): a function that never does never waits for the run.
 
-A call waits for the agent only where it must: a run_id= to resume is checked before any rank
-starts (a mistake there must stop the call). Otherwise it never waits for MLflow: the run's line
-is shown as soon as the run exists, what the ranks logged before then is kept by the agent, and
-the agent closes the run in the background; a call returns or raises as soon as its ranks have
-ended, so that tracking adds nothing to it that a slow import or store could stretch.
-flush_tracking() waits for the closes (and so for the runs' final state), and so does the
-caller's exit.
+A call waits for the agent twice only. A run_id= to resume is checked before any rank starts (a
+mistake there must stop the call). And once its ranks have ended, the call waits until the agent
+has closed its run: when .distributed() returns or raises, the run's status, its parameters and
+every metric the ranks logged are in the store, whatever the store, and a reader of the run right
+after the call sees its final state. While the ranks run, the call never waits for MLflow: the run
+is made beside them and its line shown as soon as it exists. The wait is bounded
+(CLOSE_DEADLINE_S); a close that overruns it goes on in the background, with a warning, and
+flush_tracking() and the caller's exit wait for it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from . import agent_connection
 from .._rank import tracking as rank_half
 from . import store as tracking_store
 from .._accelerators import Plan
-from .agent_channel import AGENT_START_S, FINISH_DEADLINE_S, START_DEADLINE_S
+from .agent_channel import AGENT_START_S, CLOSE_DEADLINE_S, FINISH_DEADLINE_S, START_DEADLINE_S
 from .._errors import RunNotFoundError, RunTimeoutError, TrackingWarning
 from .metric_relay import RelaySocket
 from .._launch.paths import RunPaths
@@ -261,9 +262,9 @@ class _CallRun:
 
     def end(self, paths: RunPaths | None, world_size: int, error: BaseException | None,
             extra_tags: dict[str, str] | None = None) -> None:
-        """Hands the agent the outcome and returns: the agent makes the run if it has not yet,
-        logs what the ranks sent, and closes it. A problem it meets from now on is shown at the
-        next call, at flush_tracking() or at exit."""
+        """Hands the agent the outcome and waits until it has closed the run: made it if it had
+        not yet, written what the ranks sent, set the status. What it had to say about the run is
+        shown here, at the user's line, before the call returns or raises."""
         status, tags = outcome(error)
         tags.update(extra_tags or {})
         self._agent.finish_call(self._id, {
@@ -272,8 +273,19 @@ class _CallRun:
         })
         # Every rank has ended: none will connect to the socket again.
         self.socket.close()
-        with self._lock:
-            self._ended = True
+        try:
+            # Bounded by the agent's own deadlines, and its start if the call outran it.
+            closed = self._agent.wait_call_closed(self._id, AGENT_START_S + CLOSE_DEADLINE_S)
+            if not closed:
+                name = f"{self.run.run_name} ({self.run.run_id})" if self.run is not None else f"of this call of {self.function_name!r}"
+                self._warn(f"fanrun: the MLflow run {name} is still being closed after "
+                           f"{AGENT_START_S + CLOSE_DEADLINE_S:g} s; it is closed in the background, and "
+                           f"fanrun.flush_tracking() waits for it.")
+        finally:
+            with self._lock:
+                self._ended = True
+        # A warning raised as an error must not hide the call's own error.
+        show_warnings(raise_errors=error is None)
         if self._raised is not None and error is None:
             raise self._raised
 
@@ -300,11 +312,10 @@ class _CallRun:
 def flush_tracking(timeout: float | None = 60.0) -> None:
     """Waits until the MLflow run of every call this process has made is closed.
 
-    A call returns as soon as its ranks have ended (and, if it succeeded, its run exists); its run
-    is closed moments later in the background, with its final metrics, the ranks' logs and its
-    status. Call this before reading a run's final state right after a call. A call still running
-    in another thread is not waited for. Raises TimeoutError if a run is still being closed after
-    `timeout` seconds (None: no limit)."""
+    A call returns or raises once its run is closed, with its final metrics, the ranks' logs and
+    its status; only a close that overran the call's own bound (a stalled store) goes on in the
+    background, and this waits for it. A call still running in another thread is not waited for.
+    Raises TimeoutError if a run is still being closed after `timeout` seconds (None: no limit)."""
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0):
         raise ValueError(f"timeout must be a number of seconds (0 or more) or None, not {timeout!r}")
     agent = agent_connection.current()
@@ -315,15 +326,19 @@ def flush_tracking(timeout: float | None = 60.0) -> None:
                            f"in the background, or at the latest when this process exits")
 
 
-def show_warnings() -> None:
-    """The warnings of earlier calls' runs, each at the user's line that made the call."""
+def show_warnings(raise_errors: bool = True) -> None:
+    """The warnings of calls' runs not shown yet, each at the user's line that made the call.
+    One that the user's filters make an error is raised, or, with raise_errors=False (the call is
+    raising its own error), written to stderr."""
     pending = agent_connection.take_warnings()
     for index, (message, where) in enumerate(pending):
         try:
             warnings.warn_explicit(message, TrackingWarning, *where)
-        except Warning:  # the user's filters made it an error
-            agent_connection.give_back_warnings(pending[index + 1 :])
-            raise
+        except Warning as raised:
+            if raise_errors:
+                agent_connection.give_back_warnings(pending[index + 1 :])
+                raise
+            print(f"{type(raised).__name__}: {raised}", file=sys.stderr, flush=True)
 
 
 def _at_exit() -> None:

@@ -8,7 +8,9 @@ yet. A rank connects when its function imports mlflow, and its first message is 
 sent as soon as publish() gives it: the run's identity, or "not tracked".
 
 A rank then sends one message per logging call (_rank/tracking.py): a pickled list of
-(key, value, timestamp, step, model_id, dataset_name, dataset_digest). Messages are read as
+(key, value, timestamp, step, model_id, dataset_name, dataset_digest), the metrics, and, from
+ranks other than 0, ("param" | "tag", rank, key, value), their params and tags, which are kept
+in `keyed` for the run's close (rank_values.py) rather than written. Messages are read as
 they come, so that no rank waits on a full socket, and written at most once per
 WRITE_INTERVAL_S: MLflow's stores pay per request as much as per value (a local sqlite store
 costs about 0.8 ms per value in batches of ten, 0.2 ms in batches of a thousand), and on a
@@ -40,6 +42,8 @@ _MAX_SOCKET_PATH = 107
 _PUBLISH, _STOP = b"p", b"x"
 
 Record = tuple  # (key, value, timestamp, step, model_id, dataset_name, dataset_digest)
+# A param's or tag's record: ("param" | "tag", rank, key, value).
+KEYED_RECORD_LENGTH = 4
 
 
 class RelaySocket:
@@ -65,10 +69,14 @@ class RelaySocket:
 
 
 class MetricRelay:
-    """Serves `listener` (a RelaySocket's own if none is given) until stop(); `path` goes to the ranks."""
+    """Serves `listener` (a RelaySocket's own if none is given) until stop(); `path` goes to the ranks.
+    With keep_keyed=False (a cluster node's relay, whose `write` forwards to the caller's), the
+    params' and tags' records are passed to `write` with the metrics, in the order they came."""
 
-    def __init__(self, write: Callable[[list[Record]], None], listener: socket.socket | None = None) -> None:
+    def __init__(self, write: Callable[[list[Record]], None], listener: socket.socket | None = None,
+                 keep_keyed: bool = True) -> None:
         self._write = write
+        self._keep_keyed = keep_keyed
         self._own = RelaySocket() if listener is None else None
         self._listener = self._own.listener if self._own is not None else listener
         self.path = self._own.path if self._own is not None else self._listener.getsockname()
@@ -79,6 +87,7 @@ class MetricRelay:
         self.written = 0
         self.dropped = 0
         self.error: BaseException | None = None  # the store's first failure; later values are dropped
+        self.keyed: list[tuple] = []  # ("param" | "tag", rank, key, value), in the order received
         self._answer: bytes | None = None
         self._unanswered: list[socket.socket] = []
 
@@ -186,9 +195,11 @@ class MetricRelay:
                 connection.close()
                 return
             try:
-                records.extend(pickle.loads(memoryview(self._buffer)[:size]))
+                received = pickle.loads(memoryview(self._buffer)[:size])
             except Exception:
-                pass  # not a rank's message (only our own user can reach the socket): ignored
+                continue  # not a rank's message (only our own user can reach the socket): ignored
+            for record in received:
+                (self.keyed if self._keep_keyed and len(record) == KEYED_RECORD_LENGTH else records).append(record)
 
     def _store(self, records: list[Record]) -> None:
         if not records:

@@ -86,7 +86,8 @@ class NodeAgent:
         env[ENV_NODE_ID] = spec["node_id"]
         if spec["tracked"]:
             # The ranks' MLflow socket is this agent's; what they log goes to the caller with the events.
-            self._relay = MetricRelay(write=self._forward_metrics)
+            # Params and tags of ranks other than 0 go on to the caller's relay with the metrics.
+            self._relay = MetricRelay(write=self._forward_metrics, keep_keyed=False)
             self._relay.start()
             env[rank_tracking.VARIABLE] = self._relay.path
         rendezvous = {"MASTER_ADDR": spec["master_addr"], "MASTER_PORT": str(spec["master_port"])}
