@@ -16,6 +16,8 @@ import urllib.parse
 from typing import Any
 
 from .._errors import TableError
+from ._fsspec_deadline import with_deadline
+from ._table_deadline import DELTA_CLIENT_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +44,14 @@ _S3_WRITE_KEYS = {"aws_s3_allow_unsafe_rename", "aws_s3_locking_provider", "aws_
                   "aws_copy_if_not_exists", "copy_if_not_exists", "dynamo_lock_table_name", "delta_dynamo_table_name"}
 
 
-def open_store(uri: str, storage_options: dict) -> Store:
+def open_store(uri: str, storage_options: dict, fetch_timeout: float | None) -> Store:
+    """The table's store, each of its requests within fetch_timeout seconds where its client takes
+    a limit (http(s) through fsspec, s3 through pyarrow; None: the clients' own)."""
     import pyarrow.fs
 
     scheme = urllib.parse.urlsplit(uri).scheme if "://" in uri else ""
     if scheme == "s3":
-        return _s3(uri, storage_options)
+        return _s3(uri, storage_options, fetch_timeout)
     try:
         filesystem, root = pyarrow.fs.FileSystem.from_uri(uri if scheme else os.path.abspath(uri))
         return Store(filesystem, root, False, "")
@@ -56,16 +60,18 @@ def open_store(uri: str, storage_options: dict) -> Store:
     try:
         import fsspec
 
-        fs, root = fsspec.core.url_to_fs(uri, **storage_options)
+        fs, root = fsspec.core.url_to_fs(uri, **with_deadline(uri, storage_options, fetch_timeout))
     except Exception as error:
         raise TableError(f"table {uri}: cannot open its filesystem ({native_error}; fsspec: {error})") from None
     return Store(pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)), root, True, "")
 
 
-def _s3(uri: str, storage_options: dict) -> Store:
+def _s3(uri: str, storage_options: dict, fetch_timeout: float | None) -> Store:
     import pyarrow.fs
 
     settings = _s3_settings(uri, storage_options)
+    if fetch_timeout is not None:
+        settings["connect_timeout"] = settings["request_timeout"] = float(fetch_timeout)
     endpoint = settings.pop("endpoint", "")
     if endpoint:
         parts = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
@@ -96,7 +102,7 @@ def _s3_settings(uri: str, storage_options: dict) -> dict[str, str]:
     settings: dict[str, str] = {}
     for key, value in storage_options.items():
         name = str(key).lower()
-        if name in _S3_WRITE_KEYS:
+        if name in _S3_WRITE_KEYS or name in DELTA_CLIENT_KEYS:
             continue
         if name not in by_key:
             known = ", ".join(keys[0].upper() for keys in _S3_KEYS.values())
