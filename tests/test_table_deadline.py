@@ -134,8 +134,9 @@ def s3_options(endpoint: str) -> dict:
 
 
 def test_an_s3_endpoint_that_never_answers_meets_fetch_timeout(silent_endpoint, tmp_path):
-    """pyarrow's S3 client waited its own limits (a minute and more, retried); its requests now
-    have fetch_timeout, and the error says which limit was met."""
+    """pyarrow's S3 client gave up after its own limits (3 s a request, 3 attempts) with an OSError
+    that named neither the table nor a limit; a shorter fetch_timeout now shortens its requests,
+    and the error is a TableError that names the table, the limit and the time waited."""
     error = opened_within("s3://lake/events", tmp_path, storage_options=s3_options(silent_endpoint))
     assert re.search(r"Opening the table 's3://lake/events' got no whole answer from its server within "
                      r"fetch_timeout=2 s for each request, after \d+\.\d s", str(error)), error
@@ -157,6 +158,19 @@ def test_a_timeout_given_in_storage_options_stays_the_callers():
     options = delta_options("s3://lake/events", {"timeout": "5s"}, 2)
     assert options == {"timeout": "5s", "retry_timeout": "2000ms"}
     assert delta_options("/local/table", {}, 2) == {} and delta_options("s3://lake/t", {}, None) == {}
+
+
+def test_fetch_timeout_shortens_the_s3_clients_limits_never_lengthens_them():
+    """The default hour would have held a silent S3 store three attempts of an hour in pyarrow
+    (whose own stall limit is 3 s) and a Delta log's request an hour (object_store's: 30 s)."""
+    from fanrun.data._table_store import open_store
+
+    assert delta_options("s3://lake/t", {}, 3600) == {}
+    assert delta_options("s3://lake/t", {}, 60) == {"retry_timeout": "60000ms"}
+    options = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ALLOW_HTTP": "true", "AWS_REGION": "us-east-1"}
+    default = open_store("s3://lake/t", options, None).filesystem
+    assert open_store("s3://lake/t", options, 3600).filesystem.equals(default)
+    assert not open_store("s3://lake/t", options, 0.5).filesystem.equals(default)
 
 
 def test_a_fetch_timeout_that_makes_no_sense_is_refused(tmp_path):

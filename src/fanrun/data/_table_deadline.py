@@ -5,8 +5,10 @@ _fsspec_deadline.py) and the engine fetches the files. Over s3:// pyarrow reads 
 footers and the files, with connect_timeout and request_timeout; pyarrow's AWS client makes the
 latter a minimum rate (less than a byte a second for that long fails), so a server that trickles
 a byte a second is not cut short by it. deltalake (object_store) reads a Delta log, with its
-"timeout" for each request in all and "retry_timeout" for its retries of one request. None of them
-says in its error which limit it met; the error raised here does."""
+"timeout" for each request in all and "retry_timeout" for its retries of one request. The S3
+clients' limits are only ever shortened to fetch_timeout: theirs are seconds to minutes, where the
+default fetch_timeout is an hour for a whole file over http(s). None of the clients says in its
+error which limit it met; the error raised here does."""
 
 from __future__ import annotations
 
@@ -25,15 +27,21 @@ _TIMEOUT_WORDS = ("curlCode: 28", "Timeout was reached", "operation timed out")
 DELTA_CLIENT_KEYS = {"timeout", "connect_timeout", "retry_timeout", "max_retries", "pool_idle_timeout"}
 
 
+# object_store's own limits: a request in all, and the retries of one request.
+_OBJECT_STORE_TIMEOUTS_S = {"timeout": 30.0, "retry_timeout": 180.0}
+
+
 def delta_options(uri: str, storage_options: dict, fetch_timeout: float | None) -> dict:
     """deltalake's storage_options for a remote table: each request, and one request's retries
-    together, within fetch_timeout; a limit the caller set in the dict stays theirs."""
+    together, within fetch_timeout where it is shorter than object_store's own limits (so the
+    default hour lengthens none); a limit the caller set in the dict stays theirs."""
     scheme = urllib.parse.urlsplit(uri).scheme if "://" in uri else ""
     if fetch_timeout is None or scheme in ("", "file"):
         return storage_options
     given = {str(key).lower() for key in storage_options}
-    duration = f"{max(1, round(fetch_timeout * 1000))}ms"  # object_store reads humantime durations
-    return {**storage_options, **{key: duration for key in ("timeout", "retry_timeout") if key not in given}}
+    limits = {key: f"{max(1, round(min(fetch_timeout, default) * 1000))}ms"  # humantime, as object_store reads it
+              for key, default in _OBJECT_STORE_TIMEOUTS_S.items() if key not in given and fetch_timeout < default}
+    return {**storage_options, **limits}
 
 
 def _timeout_in(error: BaseException) -> BaseException | None:

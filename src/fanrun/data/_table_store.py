@@ -39,6 +39,8 @@ _S3_KEYS = {
     "anonymous": ("aws_skip_signature", "skip_signature"),
     "virtual_hosted": ("aws_virtual_hosted_style_request", "virtual_hosted_style_request"),
 }
+# The AWS client's own limits, which pyarrow keeps unless told: to connect, and a request's stall.
+_AWS_CLIENT_TIMEOUTS_S = {"connect_timeout": 1.0, "request_timeout": 3.0}
 # delta-rs's keys for writing and committing: nothing a reader needs.
 _S3_WRITE_KEYS = {"aws_s3_allow_unsafe_rename", "aws_s3_locking_provider", "aws_conditional_put", "conditional_put",
                   "aws_copy_if_not_exists", "copy_if_not_exists", "dynamo_lock_table_name", "delta_dynamo_table_name"}
@@ -71,7 +73,11 @@ def _s3(uri: str, storage_options: dict, fetch_timeout: float | None) -> Store:
 
     settings = _s3_settings(uri, storage_options)
     if fetch_timeout is not None:
-        settings["connect_timeout"] = settings["request_timeout"] = float(fetch_timeout)
+        # Shortened to fetch_timeout, never lengthened: the AWS client's request_timeout is a
+        # stall limit (less than a byte a second for that long), so an hour of it would hold a
+        # silent store 3 attempts of an hour where its default gives up within seconds.
+        settings.update({setting: float(fetch_timeout) for setting, default in _AWS_CLIENT_TIMEOUTS_S.items()
+                         if fetch_timeout < default})
     endpoint = settings.pop("endpoint", "")
     if endpoint:
         parts = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
