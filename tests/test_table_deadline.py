@@ -85,6 +85,18 @@ def test_an_http_footer_meets_fetch_timeout_and_names_the_url(hostile, tmp_path,
     assert f"Opening the table '{server.url}/t/'" in str(error) and "fetch_timeout=2 s" in str(error)
 
 
+def test_the_footer_of_a_later_file_names_that_file(hostile, tmp_path):
+    """The table's schema comes from its first file; the second file's footer never comes, and
+    the error names that file."""
+    data = parquet_bytes()
+    server = hostile({"/t/": listing(["a.parquet", "b.parquet"]), "/t/a.parquet": ranged(data, threading.Event()),
+                      "/t/b.parquet": silent},
+                     heads={"/t/a.parquet": size_of(data), "/t/b.parquet": size_of(data)})
+    error = opened_within(server.url + "/t/", tmp_path)
+    assert re.search(rf"The footer of '{server.url}/t/b.parquet' got no whole answer from its server within "
+                     rf"fetch_timeout=2 s", str(error)), error
+
+
 @pytest.mark.parametrize("storage_options", [{}, {"headers": {"X-Fanrun-Test": "1"}}], ids=["engine", "fsspec"])
 def test_an_http_file_whose_server_falls_silent_meets_fetch_timeout(hostile, tmp_path, storage_options):
     """The table opens (listing, size, footer); its file's fetch into the cache, by the engine or
