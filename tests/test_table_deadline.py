@@ -33,13 +33,13 @@ def parquet_bytes() -> bytes:
     return sink.getvalue()
 
 
-def ranged(data: bytes, stalled: threading.Event):
+def ranged(data: bytes, stalled: threading.Event, then=silent):
     """Serves `data`, a Range request its part (fsspec reads a footer so), until `stalled` is set;
-    then stays silent. Requests come one at a time while a table is opened, so the last one
-    recorded is the one answered."""
+    then answers as `then` does. Requests come one at a time while a table is opened, so the last
+    one recorded is the one answered."""
     def handler(server, connection) -> bool:
         if stalled.is_set():
-            return silent(server, connection)
+            return then(server, connection)
         head = server.requests[-1][1]
         match = re.search(r"(?im)^range: bytes=(\d+)-(\d*)", head)
         if match is None:
@@ -97,13 +97,16 @@ def test_the_footer_of_a_later_file_names_that_file(hostile, tmp_path):
                      rf"fetch_timeout=2 s", str(error)), error
 
 
+@pytest.mark.parametrize("then", [silent, slowly(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100)],
+                         ids=["silent", "trickling"])
 @pytest.mark.parametrize("storage_options", [{}, {"headers": {"X-Fanrun-Test": "1"}}], ids=["engine", "fsspec"])
-def test_an_http_file_whose_server_falls_silent_meets_fetch_timeout(hostile, tmp_path, storage_options):
+def test_an_http_file_whose_server_falls_silent_meets_fetch_timeout(hostile, tmp_path, storage_options, then):
     """The table opens (listing, size, footer); its file's fetch into the cache, by the engine or
-    by fsspec where storage options are given, meets a server gone silent."""
+    by fsspec where storage options are given, meets a server gone silent, or sending a byte a
+    second."""
     data = parquet_bytes()
     stalled = threading.Event()
-    server = hostile({"/t/": listing(["a.parquet"]), "/t/a.parquet": ranged(data, stalled)},
+    server = hostile({"/t/": listing(["a.parquet"]), "/t/a.parquet": ranged(data, stalled, then)},
                      heads={"/t/a.parquet": size_of(data)})
     dataset = TableDataset(server.url + "/t/", cache_dir=tmp_path / "cache", fetch_timeout=2,
                            storage_options=storage_options)
