@@ -25,8 +25,6 @@ from .._errors import TableError
 _TIMEOUT_WORDS = ("curlCode: 28", "Timeout was reached", "operation timed out")
 # object_store's client settings, which deltalake takes in storage_options and pyarrow has no use for.
 DELTA_CLIENT_KEYS = {"timeout", "connect_timeout", "retry_timeout", "max_retries", "pool_idle_timeout"}
-
-
 # object_store's own limits: a request in all, and the retries of one request.
 _OBJECT_STORE_TIMEOUTS_S = {"timeout": 30.0, "retry_timeout": 180.0}
 
@@ -39,8 +37,9 @@ def delta_options(uri: str, storage_options: dict, fetch_timeout: float | None) 
     if fetch_timeout is None or scheme in ("", "file"):
         return storage_options
     given = {str(key).lower() for key in storage_options}
-    limits = {key: f"{max(1, round(min(fetch_timeout, default) * 1000))}ms"  # humantime, as object_store reads it
-              for key, default in _OBJECT_STORE_TIMEOUTS_S.items() if key not in given and fetch_timeout < default}
+    duration = f"{max(1, round(fetch_timeout * 1000))}ms"  # humantime, as object_store reads it
+    limits = {key: duration for key, default in _OBJECT_STORE_TIMEOUTS_S.items()
+              if key not in given and fetch_timeout < default}
     return {**storage_options, **limits}
 
 
@@ -80,5 +79,6 @@ def waits_named(what: str, url: str, fetch_timeout: float | None, error_type: ty
 
 def _client_words(error: BaseException) -> str:
     """The client's message on one line: object_store's spreads its causes over several, coloured."""
-    text = " ".join(line.strip().lstrip("↳ ") for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines() if line.strip())
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    text = " ".join(line.strip().lstrip("↳ ") for line in plain.splitlines() if line.strip())
     return (text[:400] + " ...") if len(text) > 400 else (text or "no message")

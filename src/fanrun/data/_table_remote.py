@@ -41,7 +41,7 @@ class RemoteFiles:
                  storage_options: dict, endpoint: str, fetch_timeout: float | None) -> None:
         """cache_dir has been checked to be the caller's alone. `endpoint` names the store where
         its URLs do not (an S3-compatible one's s3://bucket/key): part of the files' cache names.
-        fetch_timeout bounds each attempt at a file the engine fetches, as VolumeDataset's."""
+        fetch_timeout bounds each attempt at a file, as VolumeDataset's."""
         self.cache_dir = cache_dir
         self.cache_limit = cache_limit
         self.sources = [f.source for f in files]
