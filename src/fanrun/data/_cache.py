@@ -90,13 +90,18 @@ def engine_fetches(source: str, storage_options: dict) -> bool:
     return native_http_allowed(storage_options) and _core.engine_fetches(source)
 
 
+def check_fetch_timeout(fetch_timeout: float | None) -> None:
+    """Refuses a fetch_timeout that is no number of seconds (VolumeDataset's and TableDataset's)."""
+    if fetch_timeout is not None and (isinstance(fetch_timeout, bool) or not isinstance(fetch_timeout, (int, float))
+                                      or not fetch_timeout > 0):
+        raise ValueError(f"fetch_timeout must be a number of seconds above 0, or None for no deadline, not {fetch_timeout!r}")
+
+
 def engine_http_options(fetch_timeout: float | None, min_fetch_rate: tuple[int, float] | None) -> dict:
     """The engine's HTTP limits, as _core.FileCache takes them, and the certificate
     authorities it trusts for https: the file named by CURL_CA_BUNDLE or else SSL_CERT_FILE,
     the directory named by SSL_CERT_DIR; the system's where none is set."""
-    if fetch_timeout is not None and (isinstance(fetch_timeout, bool) or not isinstance(fetch_timeout, (int, float))
-                                      or not fetch_timeout > 0):
-        raise ValueError(f"fetch_timeout must be a number of seconds above 0, or None for no deadline, not {fetch_timeout!r}")
+    check_fetch_timeout(fetch_timeout)
     rate, seconds = (0, 0.0) if min_fetch_rate is None else _rate(min_fetch_rate)
     return {
         "fetch_timeout_s": float(fetch_timeout or 0.0),

@@ -14,7 +14,7 @@ import torch.utils.data
 
 from . import _split, _table_split
 from ._dataset import _rank_and_world
-from ._cache import default_cache_dir, parse_byte_size
+from ._cache import check_fetch_timeout, default_cache_dir, parse_byte_size
 from ._passes import CountedPasses
 from ._table_remote import PREFETCH_FILES
 from ._table_source import OPEN_FILES, TableSource
@@ -51,18 +51,24 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         VolumeDataset caches files (shared by ranks and runs; by default fanrun/data under
         ``$XDG_CACHE_HOME`` or ``~/.cache``), and the most bytes kept there (None: no limit).
         Each reader fetches the next files of its part while it reads one.
+    fetch_timeout: seconds each request to a remote table's store may take (None: its client's
+        own limit), as VolumeDataset's: the listing's, the log's, the footers' and each attempt
+        at a file's. One past it is a TableError naming the URL, the limit and the time waited
+        (docs/tables.md, Remote tables).
     """
 
     def __init__(self, uri: str, columns: Sequence[str] | None = None, filter: Any = None, version: int | None = None,
                  batch_rows: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
-                 cache_limit: int | str | None = None) -> None:
+                 cache_limit: int | str | None = None, fetch_timeout: float | None = 3600.0) -> None:
         super().__init__()
+        check_fetch_timeout(fetch_timeout)
         if batch_rows is not None and (isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1):
             raise ValueError(f"batch_rows must be a positive number of rows or None, not {batch_rows!r}")
         self.source = TableSource(uri, columns=columns, filter=filter, version=version, storage_options=storage_options,
                                   cache_dir=os.fspath(cache_dir) if cache_dir is not None else default_cache_dir(),
-                                  cache_limit=parse_byte_size(cache_limit))
+                                  cache_limit=parse_byte_size(cache_limit), fetch_timeout=fetch_timeout)
+        self.fetch_timeout = fetch_timeout
         self.batch_rows = batch_rows
         self.shuffle = shuffle
         self.seed = seed

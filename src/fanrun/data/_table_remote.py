@@ -10,6 +10,7 @@ import weakref
 from .. import _core
 from ._cache import cache_name, check_cache_limit, engine_fetches, engine_http_options
 from ._per_process import PerProcess
+from ._table_deadline import waits_named
 
 # Files each reader asks the cache for ahead of the one it reads.
 PREFETCH_FILES = 2
@@ -19,14 +20,17 @@ class ArrowFetch:
     """Writes one remote file to a local path through the table's pyarrow filesystem; called by
     the cache's native threads for every source the engine does not fetch itself."""
 
-    def __init__(self, filesystem, paths: dict[str, str]) -> None:
-        self._filesystem = filesystem
+    def __init__(self, filesystem, paths: dict[str, str], fetch_timeout: float | None) -> None:
+        self._filesystem = filesystem  # its requests already limited by fetch_timeout (_table_store.py)
         self._paths = paths  # source URL -> path on the filesystem
+        self._fetch_timeout = fetch_timeout
 
     def __call__(self, source: str, partial_path: str) -> None:
-        with self._filesystem.open_input_stream(self._paths[source]) as remote, open(partial_path, "wb") as local:
-            while chunk := remote.read(4 << 20):
-                local.write(chunk)
+        # A timeout is raised as TimeoutError, which the cache names as the fetch's deadline.
+        with waits_named("The fetch of", source, self._fetch_timeout, TimeoutError):
+            with self._filesystem.open_input_stream(self._paths[source]) as remote, open(partial_path, "wb") as local:
+                while chunk := remote.read(4 << 20):
+                    local.write(chunk)
 
 
 class RemoteFiles:
@@ -34,15 +38,17 @@ class RemoteFiles:
     release() it, prefetch() the next ones. The cache is made in each process that reads."""
 
     def __init__(self, filesystem, files: list, sizes: list[int], cache_dir: str, cache_limit: int,
-                 storage_options: dict, endpoint: str) -> None:
+                 storage_options: dict, endpoint: str, fetch_timeout: float | None) -> None:
         """cache_dir has been checked to be the caller's alone. `endpoint` names the store where
-        its URLs do not (an S3-compatible one's s3://bucket/key): part of the files' cache names."""
+        its URLs do not (an S3-compatible one's s3://bucket/key): part of the files' cache names.
+        fetch_timeout bounds each attempt at a file, as VolumeDataset's."""
         self.cache_dir = cache_dir
         self.cache_limit = cache_limit
         self.sources = [f.source for f in files]
         self._names = [cache_name(f"{endpoint} {f.source}" if endpoint else f.source) for f in files]
         self.sizes = sizes
-        self._fetch = ArrowFetch(filesystem, {f.source: f.path for f in files})
+        self._fetch = ArrowFetch(filesystem, {f.source: f.path for f in files}, fetch_timeout)
+        self._fetch_timeout = fetch_timeout
         self._native_http = bool(self.sources) and engine_fetches(self.sources[0], storage_options)
         self._prefetched: set[int] = set()
         self._cache = PerProcess(self._make_cache)
@@ -68,7 +74,7 @@ class RemoteFiles:
     def _make_cache(self) -> _core.FileCache:
         self._prefetched = set()
         cache = _core.FileCache(self.cache_dir, self.cache_limit, 4, 3, self._fetch, native_http=self._native_http,
-                                **engine_http_options(None, None))
+                                **engine_http_options(self._fetch_timeout, None))
         atexit.register(_close_cache, weakref.ref(cache))
         return cache
 

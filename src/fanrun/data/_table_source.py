@@ -21,6 +21,7 @@ from .._errors import FanrunError, TableError
 from ._cache import open_cache_dir
 from ._dataset_source import once_per_run
 from ._table_filter import RowFilter
+from ._table_deadline import delta_options, waits_named
 from ._table_remote import RemoteFiles
 from ._table_store import open_store
 
@@ -48,19 +49,29 @@ class Piece:
 
 class TableSource:
     def __init__(self, uri: str, *, columns: Sequence[str] | None, filter: Any, version: int | None,
-                 storage_options: dict | None, cache_dir: str, cache_limit: int) -> None:
+                 storage_options: dict | None, cache_dir: str, cache_limit: int,
+                 fetch_timeout: float | None = None) -> None:
         try:
-            import pyarrow.fs
+            import pyarrow.fs  # noqa: F401  (whether it is installed)
         except ImportError:
             raise TableError(f"table {uri}: reading tables needs pyarrow: pip install 'fanrun[table]'") from None
         self.uri = str(uri)
         self._open: dict[int, Any] = {}  # readers of files, by index: counting a filter's rows opens them too
         storage_options = dict(storage_options or {})
-        store = open_store(self.uri, storage_options)
+        self._fetch_timeout = fetch_timeout
+        with waits_named("Opening the table", self.uri, fetch_timeout):
+            self._open_table(columns, filter, version, storage_options, cache_dir, cache_limit, fetch_timeout)
+
+    def _open_table(self, columns: Sequence[str] | None, filter: Any, version: int | None, storage_options: dict,
+                    cache_dir: str, cache_limit: int, fetch_timeout: float | None) -> None:
+        import pyarrow.fs
+
+        store = open_store(self.uri, storage_options, fetch_timeout)
         self.filesystem, root = store.filesystem, store.root
         if _is_delta(self.filesystem, root):
             self.kind = "Delta table"
-            self.schema, files, partition_names = _delta(self.uri, self.filesystem, root, version, storage_options)
+            self.schema, files, partition_names = _delta(self.uri, self.filesystem, root, version,
+                                                         delta_options(self.uri, storage_options, fetch_timeout))
         else:
             if version is not None:
                 raise TableError(f"table {self.uri}: version={version} asks for a Delta table's version, and this is "
@@ -85,7 +96,7 @@ class TableSource:
                 os.close(cache_dir_fd)
             self.pieces = [Piece(*piece) for piece in pieces]
             self.remote = RemoteFiles(self.filesystem, self.files, sizes, cache_dir, cache_limit, storage_options,
-                                      store.endpoint)
+                                      store.endpoint, fetch_timeout)
 
     @property
     def num_rows(self) -> int:
@@ -119,10 +130,13 @@ class TableSource:
         pieces = []
         for index, file in enumerate(self.files):
             try:
-                fragment = parquet.make_fragment(file.path, filesystem=self.filesystem,
-                                                 partition_expression=self.filter.partition_expression(file.partition)
-                                                 if by_rows else None)
-                metadata = fragment.metadata
+                with waits_named("The footer of", file.source, self._fetch_timeout):
+                    fragment = parquet.make_fragment(file.path, filesystem=self.filesystem,
+                                                     partition_expression=self.filter.partition_expression(file.partition)
+                                                     if by_rows else None)
+                    metadata = fragment.metadata
+            except TableError:
+                raise  # a footer that never came, named so
             except FileNotFoundError:
                 raise TableError(self._missing(file)) from None
             except Exception as error:

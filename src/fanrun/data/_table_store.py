@@ -16,6 +16,8 @@ import urllib.parse
 from typing import Any
 
 from .._errors import TableError
+from ._fsspec_deadline import with_deadline
+from ._table_deadline import DELTA_CLIENT_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,17 +39,21 @@ _S3_KEYS = {
     "anonymous": ("aws_skip_signature", "skip_signature"),
     "virtual_hosted": ("aws_virtual_hosted_style_request", "virtual_hosted_style_request"),
 }
+# The AWS client's own limits, which pyarrow keeps unless told: to connect, and a request's stall.
+_AWS_CLIENT_TIMEOUTS_S = {"connect_timeout": 1.0, "request_timeout": 3.0}
 # delta-rs's keys for writing and committing: nothing a reader needs.
 _S3_WRITE_KEYS = {"aws_s3_allow_unsafe_rename", "aws_s3_locking_provider", "aws_conditional_put", "conditional_put",
                   "aws_copy_if_not_exists", "copy_if_not_exists", "dynamo_lock_table_name", "delta_dynamo_table_name"}
 
 
-def open_store(uri: str, storage_options: dict) -> Store:
+def open_store(uri: str, storage_options: dict, fetch_timeout: float | None) -> Store:
+    """The table's store, each of its requests within fetch_timeout seconds where its client takes
+    a limit (http(s) through fsspec, s3 through pyarrow; None: the clients' own)."""
     import pyarrow.fs
 
     scheme = urllib.parse.urlsplit(uri).scheme if "://" in uri else ""
     if scheme == "s3":
-        return _s3(uri, storage_options)
+        return _s3(uri, storage_options, fetch_timeout)
     try:
         filesystem, root = pyarrow.fs.FileSystem.from_uri(uri if scheme else os.path.abspath(uri))
         return Store(filesystem, root, False, "")
@@ -56,16 +62,22 @@ def open_store(uri: str, storage_options: dict) -> Store:
     try:
         import fsspec
 
-        fs, root = fsspec.core.url_to_fs(uri, **storage_options)
+        fs, root = fsspec.core.url_to_fs(uri, **with_deadline(uri, storage_options, fetch_timeout))
     except Exception as error:
         raise TableError(f"table {uri}: cannot open its filesystem ({native_error}; fsspec: {error})") from None
     return Store(pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)), root, True, "")
 
 
-def _s3(uri: str, storage_options: dict) -> Store:
+def _s3(uri: str, storage_options: dict, fetch_timeout: float | None) -> Store:
     import pyarrow.fs
 
     settings = _s3_settings(uri, storage_options)
+    if fetch_timeout is not None:
+        # Shortened to fetch_timeout, never lengthened: the AWS client's request_timeout is a
+        # stall limit (less than a byte a second for that long), so an hour of it would hold a
+        # silent store 3 attempts of an hour where its default gives up within seconds.
+        settings.update({setting: float(fetch_timeout) for setting, default in _AWS_CLIENT_TIMEOUTS_S.items()
+                         if fetch_timeout < default})
     endpoint = settings.pop("endpoint", "")
     if endpoint:
         parts = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
@@ -96,7 +108,7 @@ def _s3_settings(uri: str, storage_options: dict) -> dict[str, str]:
     settings: dict[str, str] = {}
     for key, value in storage_options.items():
         name = str(key).lower()
-        if name in _S3_WRITE_KEYS:
+        if name in _S3_WRITE_KEYS or name in DELTA_CLIENT_KEYS:
             continue
         if name not in by_key:
             known = ", ".join(keys[0].upper() for keys in _S3_KEYS.values())
