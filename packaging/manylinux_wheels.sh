@@ -43,8 +43,13 @@ zig=$("$tools/bin/python" -c 'import os, ziglang; print(os.path.join(os.path.dir
 
 # The compiler CMake is given: zig's clang for glibc 2.28. A script, since CMake takes one
 # program; it names zig by its full path, as pip's isolated build cannot import ziglang.
+# zig searches none of the system's include directories, so that no header of the machine's glibc
+# comes in: a Debian Python's pyconfig.h, which includes <x86_64-linux-gnu/python3.X/pyconfig.h>,
+# finds that one alone in multiarch-include/ (filled by build_one).
 compiler="$work/zig-c++"
-printf '#!/bin/sh\nexec "%s" c++ -target %s-linux-gnu.2.28 "$@"\n' "$zig" "$arch" > "$compiler"
+multiarch_include="$work/multiarch-include"
+printf '#!/bin/sh\nexec "%s" c++ -target %s-linux-gnu.2.28 -idirafter "%s" "$@"\n' \
+  "$zig" "$arch" "$multiarch_include" > "$compiler"
 chmod +x "$compiler"
 
 # libcurl, from pycurl's manylinux wheel (downloaded, never installed).
@@ -87,6 +92,13 @@ build_one() {
   interpreter=$1
   raw="$work/raw"
   rm -rf "$raw"
+  python_headers=$("$interpreter" -c 'import sys, sysconfig
+multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+print(f"{multiarch}/python{sys.version_info[0]}.{sys.version_info[1]}" if multiarch else "")')
+  if [ -n "$python_headers" ] && [ -d "/usr/include/$python_headers" ]; then
+    mkdir -p "$multiarch_include/$(dirname "$python_headers")"
+    ln -sfn "/usr/include/$python_headers" "$multiarch_include/$python_headers"
+  fi
   # build-dir of its own, apart from `make setup`'s build/<tag>: another compiler, another cache.
   "$interpreter" -m pip wheel --quiet --no-deps --wheel-dir "$raw" \
     --config-settings=build-dir=build/manylinux/{wheel_tag} \
