@@ -10,7 +10,7 @@
 #   the glibc of the machine that builds (Debian 12: 2.36) would leave newer symbol versions in;
 # - libcurl: the one PyPI's pycurl wheel carries in pycurl.libs/, built in the manylinux_2_28
 #   image with its OpenSSL, nghttp2 and the rest;
-# - libcurl's headers: Debian's libcurl4-openssl-dev, unpacked where it lies (the same headers
+# - libcurl's headers: Debian's libcurl4-openssl-dev, unpacked into build/, never installed (the same headers
 #   `make setup` builds with), through a package list of our own where the system has none.
 #
 # Usage: manylinux_wheels.sh WHEEL_DIR PYTHON [ABI3_PYTHON]
