@@ -1,5 +1,5 @@
 # make setup: .venv with fanrun built and installed; make demo: the DDP job; make test: every C++ and Python test;
-# make wheel: dist/fanrun-<version>-*.whl, built as a user's pip builds it.
+# make wheel: dist/fanrun-<version>-*-manylinux_2_28_*.whl, built as a user's pip builds it, then repaired.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(abspath $(VENV))/bin
@@ -56,12 +56,13 @@ test-python: setup
 	$(PY) -m pytest tests --ignore=tests/ray --durations=15
 	$(PY) tests/ray/netns.py $(PY) -m pytest tests/ray --durations=5
 
-# In an isolated build environment with pyproject.toml's build requirements, as
-# `pip install <path>` or `pip wheel <path>` builds fanrun anywhere else. WHEEL_DIR moves it.
+# The wheels users install: cp311, and one abi3 wheel for Python 3.12 on where such a Python is
+# here (ABI3_PYTHON names it), each tagged manylinux_2_28 with libcurl inside
+# (packaging/manylinux_wheels.sh says how; no root, nothing from apt installed). WHEEL_DIR moves them.
 WHEEL_DIR ?= dist
-wheel: $(PY)
-	$(NEED_LIBCURL)
-	$(PY) -m pip wheel --quiet --no-deps --wheel-dir "$(WHEEL_DIR)" .
+ABI3_PYTHON ?= $(firstword $(shell command -v python3.14 python3.13 python3.12 2>/dev/null))
+wheel:
+	sh packaging/manylinux_wheels.sh "$(WHEEL_DIR)" "$(PYTHON)" "$(ABI3_PYTHON)"
 
 clean:
 	rm -rf build dist $(VENV)

@@ -607,6 +607,17 @@ def test_https_is_fetched_by_the_engine_trusting_ssl_cert_file(hostile, tmp_path
     assert len(file_requests) == 5 and all("User-Agent: fanrun\r\n" in request for request in file_requests)
 
 
+def test_with_no_variable_set_the_engine_trusts_the_systems_bundle(monkeypatch):
+    """The wheel's libcurl, built on a RHEL-like system, would look for its authorities at
+    RHEL's path alone: the engine is handed this system's bundle, wherever it keeps it."""
+    for name in ("CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    ca_file = engine_http_options(60.0, None)["ca_file"]
+    assert ca_file and os.path.isfile(ca_file), ca_file
+    monkeypatch.setenv("SSL_CERT_DIR", "/etc/ssl/certs")  # a directory named: that one alone
+    assert engine_http_options(60.0, None)["ca_file"] == ""
+
+
 def test_https_trusts_curl_ca_bundle_and_refuses_an_unknown_authority(hostile, tmp_path, certificates, monkeypatch):
     """CURL_CA_BUNDLE comes before SSL_CERT_FILE; a server whose authority is not trusted is an
     error naming the URL and what to set."""

@@ -177,10 +177,10 @@ struct Transfer {
 // which libcurl opens and closes through the callbacks below.
 struct HttpFetcher::Session {
   struct MultiCleanup {
-    void operator()(CURLM* multi) const { curl_multi_cleanup(multi); }
+    void operator()(CURLM* handle) const { curl_multi_cleanup(handle); }
   };
   struct EasyCleanup {
-    void operator()(CURL* easy) const { curl_easy_cleanup(easy); }
+    void operator()(CURL* handle) const { curl_easy_cleanup(handle); }
   };
 
   ~Session() {

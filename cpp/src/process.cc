@@ -85,9 +85,28 @@ bool IsExecutableFile(const std::string& path) {
 
 }  // namespace
 
+// The names by hand rather than glibc's sigabbrev_np, which is 2.32's: the wheel's engine is
+// built for glibc 2.28 (manylinux_2_28).
 std::string SignalName(int signo) {
-  const char* abbrev = ::sigabbrev_np(signo);
-  if (abbrev != nullptr) return std::string("SIG") + abbrev;
+  static const struct {
+    int signo;
+    const char* name;
+  } kNames[] = {
+      {SIGHUP, "SIGHUP"},     {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"},     {SIGILL, "SIGILL"},
+      {SIGTRAP, "SIGTRAP"},   {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},       {SIGFPE, "SIGFPE"},
+      {SIGKILL, "SIGKILL"},   {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"},     {SIGUSR2, "SIGUSR2"},
+      {SIGPIPE, "SIGPIPE"},   {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"},     {SIGCHLD, "SIGCHLD"},
+      {SIGCONT, "SIGCONT"},   {SIGSTOP, "SIGSTOP"}, {SIGTSTP, "SIGTSTP"},     {SIGTTIN, "SIGTTIN"},
+      {SIGTTOU, "SIGTTOU"},   {SIGURG, "SIGURG"},   {SIGXCPU, "SIGXCPU"},     {SIGXFSZ, "SIGXFSZ"},
+      {SIGVTALRM, "SIGVTALRM"}, {SIGPROF, "SIGPROF"}, {SIGWINCH, "SIGWINCH"}, {SIGPOLL, "SIGPOLL"},
+      {SIGPWR, "SIGPWR"},     {SIGSYS, "SIGSYS"},
+#ifdef SIGSTKFLT
+      {SIGSTKFLT, "SIGSTKFLT"},
+#endif
+  };
+  for (const auto& entry : kNames) {
+    if (entry.signo == signo) return entry.name;
+  }
   return internal::StrCat("signal ", signo);
 }
 

@@ -97,17 +97,36 @@ def check_fetch_timeout(fetch_timeout: float | None) -> None:
         raise ValueError(f"fetch_timeout must be a number of seconds above 0, or None for no deadline, not {fetch_timeout!r}")
 
 
+# Where Linux distributions keep their bundle of certificate authorities (the list Go's
+# crypto/x509 reads). The wheel's libcurl was built on a RHEL-like system and, left alone,
+# looks only at that one's path, which Debian, Ubuntu, Alpine or SUSE do not have.
+_SYSTEM_CA_FILES = (
+    "/etc/ssl/certs/ca-certificates.crt",  # Debian, Ubuntu, Gentoo, Arch
+    "/etc/pki/tls/certs/ca-bundle.crt",  # Fedora, RHEL 6
+    "/etc/ssl/ca-bundle.pem",  # openSUSE
+    "/etc/pki/tls/cacert.pem",  # OpenELEC
+    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",  # CentOS, RHEL 7 and later
+    "/etc/ssl/cert.pem",  # Alpine
+)
+
+
+def system_ca_file() -> str:
+    """The system's bundle of certificate authorities, or "" where none of the known ones is."""
+    return next((path for path in _SYSTEM_CA_FILES if os.path.isfile(path)), "")
+
+
 def engine_http_options(fetch_timeout: float | None, min_fetch_rate: tuple[int, float] | None) -> dict:
     """The engine's HTTP limits, as _core.FileCache takes them, and the certificate
     authorities it trusts for https: the file named by CURL_CA_BUNDLE or else SSL_CERT_FILE,
-    the directory named by SSL_CERT_DIR; the system's where none is set."""
+    the directory named by SSL_CERT_DIR; the system's bundle where none is set."""
     check_fetch_timeout(fetch_timeout)
     rate, seconds = (0, 0.0) if min_fetch_rate is None else _rate(min_fetch_rate)
     return {
         "fetch_timeout_s": float(fetch_timeout or 0.0),
         "min_rate_bytes": rate,
         "min_rate_seconds": math.ceil(seconds),  # libcurl counts whole seconds
-        "ca_file": os.environ.get("CURL_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE") or "",
+        "ca_file": os.environ.get("CURL_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
+                   or ("" if os.environ.get("SSL_CERT_DIR") else system_ca_file()),
         "ca_dir": os.environ.get("SSL_CERT_DIR") or "",
     }
 
