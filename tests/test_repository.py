@@ -31,3 +31,12 @@ def test_no_tracked_file_holds_a_merge_conflict():
         if path.is_file() and not path.is_symlink():
             found += [f"{name}:{line}" for line in conflict_lines(path.read_bytes())]
     assert found == [], f"merge conflict markers in tracked files: {found}"
+
+
+def test_the_readme_front_page_is_short_and_every_link_it_gives_exists():
+    readme = (ROOT / "README.md").read_bytes()
+    assert len(readme) < 8 * 1024, f"README.md is {len(readme)} bytes: keep the front page under 8 KB, the rest in docs/"
+    links = re.findall(rb"\]\(([^)#\s]+)", readme)
+    assert links, "README.md links to no page"
+    missing = [link.decode() for link in links if b"://" not in link and not (ROOT / link.decode()).exists()]
+    assert missing == [], f"README.md links to pages that do not exist: {missing}"
