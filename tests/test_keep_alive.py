@@ -138,32 +138,13 @@ def test_ranks_that_torch_left_a_gloo_group_in_end_after_their_call(capfd):
 
 @distributed(num_accelerators=2, keep_alive=True)
 def starts_children():
-    """Starts a plain child, one in a session of its own and a double-forked one (whose parent
-    exits at once), each running `sleep` before this returns; the rank's pid and theirs."""
+    """Starts a plain child, one in a session of its own and a double-forked one; the rank's pid
+    and theirs."""
     import os
-    import subprocess
-    import time
 
-    plain = subprocess.Popen(["sleep", "1000"])
-    session = subprocess.Popen(["sleep", "1000"], start_new_session=True)
-    read_end, write_end = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        os.setsid()
-        daemon = os.fork()
-        if daemon == 0:
-            os.execvp("sleep", ["sleep", "1000"])
-        os.write(write_end, str(daemon).encode())
-        os._exit(0)
-    os.close(write_end)
-    daemon = int(os.read(read_end, 64))
-    os.close(read_end)
-    os.waitpid(middle, 0)
-    children = [plain.pid, session.pid, daemon]
-    for pid in children:
-        while open(f"/proc/{pid}/cmdline", "rb").read() != b"sleep\x001000\x00":
-            time.sleep(0.01)
-    return os.getpid(), children
+    from test_faults_launch import start_children
+
+    return os.getpid(), start_children()
 
 
 def test_a_kept_call_ends_every_process_it_started_and_its_ranks_serve_the_next():
