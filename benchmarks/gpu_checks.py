@@ -174,7 +174,9 @@ def hang(timeout: float, steps: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    last = max(torch.cuda.device_count() - 1, 1)
+    # One rank per GPU; on CPU (--smoke) two processes. The rank that fails is the last one.
+    ranks = torch.cuda.device_count() if ON_GPU else 2
+    last = ranks - 1
     parser.add_argument("--raise-rank", type=int, default=last, help="the rank that raises (default: the last)")
     parser.add_argument("--kill-rank", type=int, default=last, help="the rank SIGKILLed (default: the last)")
     parser.add_argument("--smoke", action="store_true",
@@ -197,7 +199,10 @@ def main() -> None:
     scenario(f"rank {args.raise_rank} raises mid-training", failing("raise", args.raise_rank, RuntimeError, steps))
     scenario(f"rank {args.kill_rank} is SIGKILLed mid-training",
              failing("sigkill", args.kill_rank, fanrun.RankFailedError, steps))
-    scenario(f"rank 1 hangs, rank 0 waits in {backend} (timeout={timeout:g} s)", hung_collective(timeout, steps))
+    if ranks > 1:
+        scenario(f"rank 1 hangs, rank 0 waits in {backend} (timeout={timeout:g} s)", hung_collective(timeout, steps))
+    else:
+        print("== rank 1 hangs, rank 0 waits: not run, it needs 2 ranks and there is 1 GPU", flush=True)
 
 
 if __name__ == "__main__":
