@@ -67,7 +67,7 @@ def opened_within(url: str, tmp_path, **kwargs) -> TableError:
 
 
 @pytest.mark.parametrize("handler", [silent, slowly(answer(b"<html></html>"))], ids=["silent", "trickling"])
-def test_an_http_listing_meets_fetch_timeout_and_names_the_url(hostile, tmp_path, handler):
+def test_an_http_listing_meets_fetch_timeout_and_names_the_url(hostile, tmp_path, handler):  # noqa: F811 (the fixture)
     """The listing waited aiohttp's 300 s on a server that accepts and says nothing, or trickles."""
     server = hostile({"/t/": handler})
     error = opened_within(server.url + "/t/", tmp_path)
@@ -77,7 +77,7 @@ def test_an_http_listing_meets_fetch_timeout_and_names_the_url(hostile, tmp_path
 
 @pytest.mark.parametrize("handler", [silent, slowly(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100\r\n\r\n")],
                          ids=["silent", "trickling"])
-def test_an_http_footer_meets_fetch_timeout_and_names_the_url(hostile, tmp_path, handler):
+def test_an_http_footer_meets_fetch_timeout_and_names_the_url(hostile, tmp_path, handler):  # noqa: F811 (the fixture)
     """The table is listed and its file's size known; the read of its footer never completes."""
     data = parquet_bytes()
     server = hostile({"/t/": listing(["a.parquet"]), "/t/a.parquet": handler}, heads={"/t/a.parquet": size_of(data)})
@@ -85,7 +85,7 @@ def test_an_http_footer_meets_fetch_timeout_and_names_the_url(hostile, tmp_path,
     assert f"Opening the table '{server.url}/t/'" in str(error) and "fetch_timeout=2 s" in str(error)
 
 
-def test_the_footer_of_a_later_file_names_that_file(hostile, tmp_path):
+def test_the_footer_of_a_later_file_names_that_file(hostile, tmp_path):  # noqa: F811 (the fixture)
     """The table's schema comes from its first file; the second file's footer never comes, and
     the error names that file."""
     data = parquet_bytes()
@@ -100,7 +100,8 @@ def test_the_footer_of_a_later_file_names_that_file(hostile, tmp_path):
 @pytest.mark.parametrize("then", [silent, slowly(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100)],
                          ids=["silent", "trickling"])
 @pytest.mark.parametrize("storage_options", [{}, {"headers": {"X-Fanrun-Test": "1"}}], ids=["engine", "fsspec"])
-def test_an_http_file_whose_server_falls_silent_meets_fetch_timeout(hostile, tmp_path, storage_options, then):
+def test_an_http_file_whose_server_falls_silent_meets_fetch_timeout(
+        hostile, tmp_path, storage_options, then):  # noqa: F811 (the fixture)
     """The table opens (listing, size, footer); its file's fetch into the cache, by the engine or
     by fsspec where storage options are given, meets a server gone silent, or sending a byte a
     second."""

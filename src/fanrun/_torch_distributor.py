@@ -12,7 +12,7 @@ import os
 import warnings
 from typing import Any, Callable
 
-from . import _accelerators, _errors
+from . import _accelerators
 from ._caller_frames import raised_from_the_caller
 from ._launch.program import RankProgram
 from ._launch.run import run

@@ -4,7 +4,6 @@ given once. Each problem is one line that names the file and the line."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import yaml
