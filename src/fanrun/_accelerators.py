@@ -215,12 +215,17 @@ def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, i
     if defaulted and not inventory.visible and not (request and request.cpu):
         # Told only where fanrun chose: a count or a type given says the caller knows already.
         notice = f'no GPU found: {description}; use the gloo backend (init_process_group("gloo"))'
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     warning = ""
     if num_accelerators > cores:
         warning = (f"{description} share the {cores} core{'s' if cores != 1 else ''} this process may use, so each "
                    f"runs slower than one alone and a collective waits for the slowest; ask for at most {cores}")
     return Plan(num_accelerators, False, description, "CPU", notice, warning)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0))
 
 
 def max_cpu_ranks() -> tuple[int, str]:
@@ -234,7 +239,7 @@ def max_cpu_ranks() -> tuple[int, str]:
         if limit < 1:
             raise ValueError(f"{MAX_CPU_RANKS_VAR} must be a positive whole number, not {configured!r}")
         return limit, f"{MAX_CPU_RANKS_VAR}={limit}"
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     return CPU_RANKS_PER_CORE * cores, f"{CPU_RANKS_PER_CORE} per core, and this process may use {cores}"
 
 

@@ -39,8 +39,6 @@ READER_QUEUE_BYTES = 1024 * 1024
 MAX_READERS = 64
 # How long the readers get, once the run has ended, to take what waits for them.
 CLOSE_S = 5.0
-# The errors of a disk (or a quota) that has no room left.
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _socket_path(dir_fd: int) -> str:
@@ -105,7 +103,7 @@ class Broadcast:
                 while written < len(view):
                     written += os.write(self._log, view[written:])
             except OSError as error:
-                what = "disk full" if error.errno in _NO_ROOM else "output.log could not be written"
+                what = "disk full" if error.errno in store.NO_ROOM else "output.log could not be written"
                 self.log_error = (f"{what}: output.log stops at {self._size + written} bytes "
                                   f"({os.strerror(error.errno)}); the output after it was not kept")
         self._size += written

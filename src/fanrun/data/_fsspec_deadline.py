@@ -26,16 +26,17 @@ def with_deadline(url: str, storage_options: dict, fetch_timeout: float | None) 
     return {**storage_options, "client_kwargs": client_kwargs}
 
 
-def _timed_out(error: BaseException) -> bool:
-    """Whether a timeout is the cause: fsspec wraps aiohttp's (in FSTimeoutError, or in the
-    FileNotFoundError of a file's size that no request answered)."""
+def timeout_in(error: BaseException | None, words: tuple[str, ...] = ()) -> BaseException | None:
+    """The error of the chain that says a request met its timeout: a TimeoutError (fsspec wraps
+    aiohttp's in FSTimeoutError, or in the FileNotFoundError of a file's size that no request
+    answered), or one whose message holds any of `words` (a client that says so in an OSError)."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, TimeoutError):
-            return True
+        if isinstance(error, TimeoutError) or any(word in str(error) for word in words):
+            return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
 @contextlib.contextmanager
@@ -46,7 +47,7 @@ def deadline_named(what: str, url: str, fetch_timeout: float | None, error_type:
     try:
         yield
     except Exception as error:
-        if not _timed_out(error):
+        if timeout_in(error) is None:
             raise
         waited = time.monotonic() - started
         limit = (f"within fetch_timeout={fetch_timeout:g} s" if fetch_timeout is not None

@@ -19,6 +19,7 @@ import urllib.parse
 from collections.abc import Iterator
 
 from .._errors import TableError
+from ._fsspec_deadline import timeout_in
 
 # How the clients' own errors say that a request met its timeout: pyarrow's AWS client (libcurl's
 # CURLE_OPERATION_TIMEDOUT) and object_store (reqwest) put it in the message of an OSError.
@@ -43,17 +44,6 @@ def delta_options(uri: str, storage_options: dict, fetch_timeout: float | None) 
     return {**storage_options, **limits}
 
 
-def _timeout_in(error: BaseException) -> BaseException | None:
-    """The error of the chain that says a request met its timeout, if one does."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, TimeoutError) or any(words in str(error) for words in _TIMEOUT_WORDS):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
 @contextlib.contextmanager
 def waits_named(what: str, url: str, fetch_timeout: float | None, error_type: type[Exception] = TableError) -> Iterator[None]:
     """Turns a request's timeout inside the block into `error_type`, naming `what` of `url`, the
@@ -63,7 +53,7 @@ def waits_named(what: str, url: str, fetch_timeout: float | None, error_type: ty
     try:
         yield
     except Exception as error:
-        timeout = None if getattr(error, "fetch_timeout_named", False) else _timeout_in(error)
+        timeout = None if getattr(error, "fetch_timeout_named", False) else timeout_in(error, _TIMEOUT_WORDS)
         if timeout is None:
             raise
         waited = time.monotonic() - started
