@@ -32,7 +32,7 @@ from pathlib import Path
 # The warm-up's tracked call starts the process's tracking agent, which the timed calls share,
 # as a script's or a notebook's later calls do (benchmarks/tracking_cost.py times a first call).
 # "warm" is fanrun untracked with warm=True: its ranks are the spares the call before left
-# (_launch/spares.py), each given the time to finish its imports, as between two notebook cells.
+# (backends/local/spares.py), each given the time to finish its imports, as between two notebook cells.
 # "kept" is fanrun untracked with keep_alive=True: its ranks are the processes of the same
 # function's call before, still alive.
 FANRUN = ("fanrun", "tracked", "warm", "kept")
@@ -288,14 +288,14 @@ def lasting_processes() -> set[int]:
 
 
 def spare_pids() -> list[int]:
-    spares = sys.modules.get("fanrun._launch.spares")
+    spares = sys.modules.get("fanrun.backends.local.spares")
     return spares.POOL.pids() + spares.kept_pids() if spares is not None else []
 
 
 def wait_for_spares(limit_s: float = 120.0) -> None:
     """Until the spares a warm call left have done their imports, as they have between two
     notebook cells; what they cost the machine is then not charged to the next measurement."""
-    spares = sys.modules.get("fanrun._launch.spares")
+    spares = sys.modules.get("fanrun.backends.local.spares")
     if spares is not None:
         spares.POOL.wait_ready(limit_s)
 

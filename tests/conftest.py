@@ -52,10 +52,10 @@ def no_process_left_behind():
     yield
     agent = fanrun._tracking.agent_connection.agent_pid()
     left = processes_of_runs_under(_RUNS) + [found for found in tracking_agents_of(os.getpid()) if found[0] != agent]
-    left += processes_with_environment(f"FANRUN_SPARE_OF={os.getpid()}".encode())  # spare ranks (_launch/spares.py)
-    # Detached runs' runners (_runs/runner.py): every test waits for, or cancels, the runs it starts.
+    left += processes_with_environment(f"FANRUN_SPARE_OF={os.getpid()}".encode())  # spare ranks (backends/local/spares.py)
+    # Detached runs' runners (_detached/runner.py): every test waits for, or cancels, the runs it starts.
     left += [found for found in processes_with_environment(f"FANRUN_RUNS_DIR={_RUNS}".encode())
-             if "fanrun._runs.runner" in found[1]]
+             if "fanrun._detached.runner" in found[1]]
     assert not left, f"processes of fanrun runs are still alive after the test: {left}"
 
 

@@ -1,4 +1,4 @@
-"""Detached runs (@distributed(detach=True), _runs/): a call that goes on in a runner process of
+"""Detached runs (@distributed(detach=True), _detached/): a call that goes on in a runner process of
 its own, which another process of the same user finds again with its id, follows, cancels and
 takes the outcome of."""
 
@@ -15,7 +15,7 @@ import pytest
 
 import fanrun
 from fanrun import distributed
-from fanrun._runs import store
+from fanrun._detached import store
 from gpus import needs_gpus
 from processes import wait_gone
 

@@ -209,7 +209,7 @@ def test_unpicklable_return_value_names_the_rank_and_type():
 
 def test_missing_executable_is_an_error_before_the_run(monkeypatch):
     from fanrun import _accelerators
-    from fanrun._launch.program import RankProgram
+    from fanrun._spec.program import RankProgram
     from fanrun._launch.run import run
 
     plan = _accelerators.plan_run(2, None, _accelerators.detect())

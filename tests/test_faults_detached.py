@@ -1,4 +1,4 @@
-"""The fault matrix of detached runs (_runs/): slow and stalled readers of a run's socket, a full
+"""The fault matrix of detached runs (_detached/): slow and stalled readers of a run's socket, a full
 disk under a run, damaged run directories, and control sequences in what a rank prints. Each
 test runs real runners and real ranks, reads over the real socket, and asks the real CLI."""
 
@@ -22,8 +22,8 @@ import pytest
 
 import fanrun
 from fanrun import distributed
-from fanrun._runs import store
-from fanrun._terminal_text import printable
+from fanrun._detached import store
+from fanrun._display.terminal_text import printable
 from processes import wait_gone
 
 # What a hostile exception text may hold: set the window's title (OSC 0), ask the terminal for

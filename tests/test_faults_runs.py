@@ -20,7 +20,7 @@ import pytest
 
 import fanrun
 from fanrun import distributed
-from fanrun._launch import paths as _paths
+from fanrun._spec import paths as _paths
 from fanrun._rank.worker import bootstrap_code
 from processes import processes_of_runs_under
 

@@ -1,5 +1,5 @@
 """@distributed(keep_alive=True): the rank processes stay alive between the calls of a function
-(_launch/spares.py, KeptRanks; _rank/keep.py), each call with its own arguments, output, results
+(backends/local/spares.py, KeptRanks; _rank/keep.py), each call with its own arguments, output, results
 and random seeds; a call that fails, or cannot leave its ranks clean, ends them."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 import fanrun
 from fanrun import distributed
-from fanrun._launch import spares
+from fanrun.backends.local import spares
 from fanrun._rank import contract
 from processes import processes_with_environment, wait_gone
 

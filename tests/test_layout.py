@@ -22,7 +22,7 @@ def test_importing_fanrun_data_loads_no_launcher_tracking_or_mlflow():
     loaded = modules_after("import fanrun.data")
     caller_side = {m for m in loaded if m.split(".")[0] == "mlflow"} | {
         m for m in loaded
-        if m in ("fanrun._decorator", "fanrun._payload", "fanrun._torch_distributor")
+        if m in ("fanrun._decorator", "fanrun._spec.payload", "fanrun._torch_distributor")
         or m.startswith(("fanrun._tracking", "fanrun._launch", "fanrun.backends"))
     }
     assert caller_side == set()
@@ -89,14 +89,14 @@ def test_every_exception_is_public_and_made_to_happen_by_a_test():
 SRC = Path(__file__).resolve().parents[1] / "src" / "fanrun"
 NEVER = {
     "_rank": ("fanrun",),
-    "data": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._decorator", "fanrun._runs"),
-    "backends": ("fanrun._launch.run", "fanrun._tracking", "fanrun._decorator", "fanrun._runs"),
-    "_launch": ("fanrun._tracking", "fanrun._decorator", "fanrun._runs"),
-    "_tracking": ("fanrun._launch.run", "fanrun.backends", "fanrun._decorator", "fanrun._runs"),
+    "data": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._decorator", "fanrun._detached"),
+    "backends": ("fanrun._launch.run", "fanrun._tracking", "fanrun._decorator", "fanrun._detached"),
+    "_launch": ("fanrun._tracking", "fanrun._decorator", "fanrun._detached"),
+    "_tracking": ("fanrun._launch.run", "fanrun.backends", "fanrun._decorator", "fanrun._detached"),
 }
 # The one exception: a cluster's node agent serves its ranks' metric socket with the relay's own
 # code, which is a socket server that knows nothing of MLflow.
-ALLOWED = {"backends": ("fanrun._tracking.metric_relay",)}
+ALLOWED = {"backends": ("fanrun.backends.metric_relay",)}
 # data/ imports mlflow only inside a tracked call, to log the loader's figures on its run.
 NEVER_AT_THE_TOP = {"_rank": ("torch", "mlflow", "cloudpickle", "numpy"), "data": ("mlflow",)}
 

@@ -79,7 +79,7 @@ def test_partial_long_and_binary_output_is_shown_bounded_and_kept_whole(capsys):
 
 
 def test_a_quiet_call_wakes_its_caller_rarely_and_its_log_keeps_every_line(monkeypatch, capsys):
-    from fanrun._launch.output import OutputMux
+    from fanrun._display.output import OutputMux
 
     wakes = []
     flush = OutputMux.flush

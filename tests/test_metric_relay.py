@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from fanrun._tracking import agent_channel as _agent_channel, metric_relay as _metric_relay
-from fanrun._tracking.metric_relay import MetricRelay
+from fanrun._tracking import agent_channel as _agent_channel
+from fanrun.backends import metric_relay as _metric_relay
+from fanrun.backends.metric_relay import MetricRelay
 
 SENDER = Path(_metric_relay.__file__).parents[1] / "_rank" / "metric_sender.py"
 _MetricSender = runpy.run_path(str(SENDER))["MetricSender"]
@@ -220,7 +221,7 @@ def test_every_rank_gets_the_answer_once_whether_it_connects_before_or_after_it_
 AGENT_SERVING_ONE_CALL = """
 import json, os, socket, sys
 from fanrun._tracking.agent_channel import receive
-from fanrun._tracking.metric_relay import MetricRelay
+from fanrun.backends.metric_relay import MetricRelay
 
 control = socket.socket(fileno=int(sys.argv[1]))
 message, fds = receive(control)

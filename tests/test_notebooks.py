@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 from gpus import needs_gpus
 from processes import wait_gone
 
-from fanrun._runs import store
+from fanrun._detached import store
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -21,11 +21,11 @@ from gpus import needs_gpus
 from processes import processes_of_runs_under, wait_gone
 from test_live_output import ROWS, rendered, run_in_terminal
 
-from fanrun._launch import progress_text
-from fanrun._launch.panel import Panel
-from fanrun._launch.panel_metrics import MetricFiles
-from fanrun._launch.panel_render import html_panel, text_rows
-from fanrun._launch.panel_view import PanelView
+from fanrun._display import progress_text
+from fanrun._display.panel import Panel
+from fanrun._display.panel_metrics import MetricFiles
+from fanrun._display.panel_render import html_panel, text_rows
+from fanrun._display.panel_view import PanelView
 
 
 @pytest.fixture(autouse=True)

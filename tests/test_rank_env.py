@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from fanrun._launch.paths import RunPaths
+from fanrun._spec.paths import RunPaths
 from fanrun.backends.rank_env import NodeLayout, rank_environment
 from fanrun.backends.ray.node_agent import _interface_towards
 

@@ -12,7 +12,7 @@ import pytest
 
 import fanrun
 from fanrun import distributed
-from fanrun._launch import paths as _paths
+from fanrun._spec import paths as _paths
 
 TORCHRUN_VARIABLES = [
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
@@ -238,7 +238,7 @@ def test_a_restarted_attempts_ranks_see_torchruns_and_fanruns_restart_count():
 def test_a_large_global_is_named_with_its_size_and_what_to_do_instead(runs_dir):
     import warnings
 
-    from fanrun._payload import serialize_call
+    from fanrun._spec.payload import serialize_call
 
     # As in a notebook: a function of a module that cannot be imported travels by value, with its globals.
     cell = {"__name__": "a_notebook_cell", "LARGE_TABLE": bytes(120 * 1000 * 1000)}

@@ -1,4 +1,4 @@
-"""Warm calls: ranks taken from spare interpreters started ahead (_launch/spares.py), which
+"""Warm calls: ranks taken from spare interpreters started ahead (backends/local/spares.py), which
 return what cold ranks do, are supervised as they are, and leave nothing behind."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 import fanrun
 from fanrun import distributed
-from fanrun._launch.spares import POOL
+from fanrun.backends.local.spares import POOL
 from fanrun._rank import contract
 from processes import processes_with_environment, wait_gone
 
@@ -132,7 +132,7 @@ def test_a_warm_rank_killed_mid_call_is_named_and_the_next_call_works(spares):
 
 CALLER = """
 import os, sys, fanrun
-from fanrun._launch.spares import POOL
+from fanrun.backends.local.spares import POOL
 
 @fanrun.distributed(num_accelerators=2, warm=True)
 def quick():
@@ -202,7 +202,7 @@ def test_warm_switches_are_checked(monkeypatch, spares):
         distributed(warm="yes")
     with pytest.raises(ValueError, match="preload names modules to import"):
         fanrun.warmup(2, preload=["not a module"])
-    from fanrun._launch.spares import warm
+    from fanrun.backends.local.spares import warm
 
     monkeypatch.delenv("FANRUN_WARM", raising=False)
     assert warm(None) is False and warm(True) is True

@@ -1,4 +1,4 @@
-"""Workload files of `fanrun submit` (_runs/workload.py): a `command:` string is a bash script, a
+"""Workload files of `fanrun submit` (_detached/workload.py): a `command:` string is a bash script, a
 list is an argv; a launcher is refused; every bad value, YAML bomb or bad byte is a one-line error
 that names the file and the line, before anything starts."""
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import fanrun
-from fanrun._runs import store
+from fanrun._detached import store
 from processes import wait_gone
 
 

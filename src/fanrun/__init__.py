@@ -56,9 +56,9 @@ if TYPE_CHECKING:
     from ._decorator import distributed as distributed
     from ._torch_distributor import TorchDistributor as TorchDistributor
     from ._tracking.caller import flush_tracking as flush_tracking
-    from ._runs.run import Run as Run
-    from ._runs.run import attach as attach
-    from ._runs.run import runs as runs
+    from ._detached.run import Run as Run
+    from ._detached.run import attach as attach
+    from ._detached.run import runs as runs
     from ._launch.stacks import stacks as stacks
     from ._warmup import cooldown as cooldown
     from ._warmup import warmup as warmup

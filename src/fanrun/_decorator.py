@@ -10,16 +10,19 @@ import numbers
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
-from . import _accelerators, _call, _errors, _payload
+from . import _accelerators, _errors
+from ._launch import call as _call
+from ._spec import payload as _payload
 from ._tracking import caller as call_tracking
-from ._launch import preflight, spares
-from ._launch.output import DISPLAYS
+from ._launch import preflight
+from .backends.local import spares
+from ._display.output import DISPLAYS
 from ._launch.run import DEFAULT_STALL_WARNING_S
 from ._accelerators import AcceleratorRequest
 from ._caller_frames import raised_from_the_caller
 
 if TYPE_CHECKING:
-    from ._runs.run import Run
+    from ._detached.run import Run
 
 DEFAULT_TIMEOUT = 3 * 60 * 60  # seconds
 _UNSET: Any = object()
@@ -44,17 +47,17 @@ class Options:
     nodes: int | None = None
     backend: str | None = None
     placement_timeout: float = 60.0
-    # Ranks from spares started ahead (_launch/spares.py): None follows FANRUN_WARM and fanrun.warmup().
+    # Ranks from spares started ahead (backends/local/spares.py): None follows FANRUN_WARM and fanrun.warmup().
     warm: bool | None = None
-    # The ranks stay alive between the calls of the function (_launch/spares.py, KeptRanks).
+    # The ranks stay alive between the calls of the function (backends/local/spares.py, KeptRanks).
     keep_alive: bool = False
-    # .distributed() returns a fanrun.Run at once; the call goes on in a process of its own (_runs/).
+    # .distributed() returns a fanrun.Run at once; the call goes on in a process of its own (_detached/).
     detach: bool = False
     # A failed attempt starts every rank again, this many times at most.
     max_restarts: int = 0
     # The MLflow run's name (a workload's mlflow_run_name); None: the function's name and a random part.
     run_name: str | None = None
-    # How the ranks' output shows (_launch/output.py): "panel", "logs", "quiet"; None: the panel
+    # How the ranks' output shows (_display/output.py): "panel", "logs", "quiet"; None: the panel
     # in a notebook, logs elsewhere. The panel flags a rank quiet for stall_warning seconds.
     display: str | None = None
     stall_warning: float | None = DEFAULT_STALL_WARNING_S
@@ -87,7 +90,7 @@ class DistributedFunction(Generic[R]):
         payload = _payload.serialize_call(self._fn, args, kwargs)
         name = getattr(self._fn, "__name__", "function")
         if options.detach:
-            from ._runs import run as detached
+            from ._detached import run as detached
 
             return detached.start(name, payload, options)
         return _call.run_call(payload, name, options, plan, inventory, kept=self._kept)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from . import _accelerators
 from ._caller_frames import raised_from_the_caller
-from ._launch.program import RankProgram
+from ._spec.program import RankProgram
 from ._launch.run import run
 from ._decorator import DEFAULT_TIMEOUT, DistributedFunction, Options
 from ._errors import AcceleratorMismatchError

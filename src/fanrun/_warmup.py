@@ -1,12 +1,12 @@
 """fanrun.warmup() and fanrun.cooldown(): spare ranks started ahead of the calls of a notebook or
-a script (_launch/spares.py), so that even the first call finds its ranks' imports done."""
+a script (backends/local/spares.py), so that even the first call finds its ranks' imports done."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from . import _accelerators
-from ._launch.spares import POOL, drop_all_kept
+from .backends.local.spares import POOL, drop_all_kept
 from .backends.local import KEEPER
 from .backends.rank_env import RANK_DEFAULTS
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import fanrun
-from fanrun._runs import store
+from fanrun._detached import store
 from processes import wait_gone
 
 JOB = textwrap.dedent('''

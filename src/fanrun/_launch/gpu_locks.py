@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from .._accelerators import Gpu
 from .._errors import UnsafePathError
 from .._private_dir import open_private, open_private_subdir
-from .paths import open_runs_root
+from .._spec.paths import open_runs_root
 
 _REMEDY = "Remove it so that fanrun makes it afresh, or set FANRUN_RUNS_DIR to a directory of your own."
 # What NVML's UUIDs look like ("GPU-" and hex digits in dashed groups), a little wider: the lock's

@@ -11,10 +11,10 @@ from pathlib import Path
 from .. import _core
 from .._errors import RankFailedError, RemoteTraceback, ResultSerializationError, RunTimeoutError
 from .._rank import result_file
-from .._rank.worker import STACK_DUMP_SIGNAL
+from .._rank.contract import ENVELOPE_KEYS, ENVELOPE_KINDS, STACK_DUMP_SIGNAL
 from ..backends.base import STACK_DUMP_WAIT_S
-from .output import OutputMux
-from .paths import RunPaths
+from .._display.output import OutputMux
+from .._spec.paths import RunPaths
 
 
 def collect(name, ranks, paths, mux, timeout_report: TimeoutReport, timeout, returns_values: bool) -> list[object]:
@@ -172,11 +172,16 @@ def _label(exception: BaseException, rank: int, world_size: int, where: str, log
 
 
 def _load_envelope(path: Path) -> dict | None:
+    """The rank's error envelope; None where it wrote none, or one without the contract's keys
+    (the rank is then reported by its exit status and its log)."""
     try:
         with open(path, "rb") as file:
-            return pickle.load(file)
+            envelope = pickle.load(file)
     except FileNotFoundError:
         return None
+    if not isinstance(envelope, dict) or set(envelope) != set(ENVELOPE_KEYS) or envelope["kind"] not in ENVELOPE_KINDS:
+        return None
+    return envelope
 
 
 

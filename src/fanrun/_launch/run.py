@@ -15,13 +15,13 @@ from .._accelerators import Plan
 from ..backends.base import Launch, Ranks
 from . import hints
 from .outcome import TimeoutReport, collect
-from .output import OutputMux
-from .paths import RunPaths
+from .._display.output import OutputMux
+from .._spec.paths import RunPaths
 from .preflight import preflight
-from .program import RankProgram
+from .._spec.program import RankProgram
 from . import running_calls
 from .signals import SignalWakeup
-from .spares import KeptRanks
+from ..backends.local.spares import KeptRanks
 
 # A panel flags a rank with no output, progress or metric for this long (as @distributed's default).
 DEFAULT_STALL_WARNING_S = 300.0
@@ -54,7 +54,7 @@ def run(
     variables still win). `paths` is the run's directory where the caller made it already
     (tracking reads the logs there afterwards), and stays the caller's to close; without it,
     the run makes its own once the plan has passed its checks. `warm`: the ranks may be spares
-    started ahead of the call (_launch/spares.py). `keep`: the ranks may be the ones this holder
+    started ahead of the call (backends/local/spares.py). `keep`: the ranks may be the ones this holder
 kept from the last call, and this call's are kept there if it ends well (keep_alive). `display`
 and `stall_warning`: how the ranks' output shows (output.OutputMux); `open_gpu_sample()`, where a
 panel shows, gives what samples the ranks' GPUs for it."""

@@ -9,7 +9,7 @@ import socket
 import threading
 from pathlib import Path
 
-from .paths import RunPaths
+from .._spec.paths import RunPaths
 
 RANKS_FILE = "ranks.json"
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from .._errors import StacksError, UnsafePathError
 from .._private_dir import open_private
-from .._rank.worker import STACK_DUMP_SIGNAL
+from .._rank.contract import STACK_DUMP_SIGNAL
 from . import running_calls
 from .file_changes import FileChanges
 from .outcome import STACK_HEADER
-from .paths import open_runs_root, rank_log
+from .._spec.paths import open_runs_root, rank_log
 
 # How long the ranks get to write their stacks, and how long a dump may pause between lines
 # before it counts as done.

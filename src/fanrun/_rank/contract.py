@@ -7,7 +7,7 @@ tests/test_run_contract.py holds the two halves equal. A rank's worker loads thi
 path, before anything else: it imports nothing.
 """
 
-# In a run's directory (_launch/paths.py's RunPaths makes it).
+# In a run's directory (_spec/paths.py's RunPaths makes it).
 # The call, written by the caller: a pickled header (the caller's sys.path), then the pickled
 # (function, args, kwargs).
 PAYLOAD = "payload.pkl"
@@ -23,6 +23,19 @@ def result_name(rank: int) -> str:
 def error_name(rank: int) -> str:
     """The rank's error envelope (a pickled dict, worker.py's _fail); written by the rank when it fails."""
     return f"rank_{rank}.error"
+
+
+# The keys of a rank's error envelope, a pickled dict: "kind" is one of ENVELOPE_KINDS (a raised
+# exception, sys.exit with a code, a return value that cannot be pickled); "exception" is the
+# pickled exception or None; "frames" are (file, line, function) for the caller to format with
+# its own source; "exit_code" is sys.exit's code or None.
+ENVELOPE_KEYS = ("kind", "rank", "pid", "time", "type", "message", "traceback", "frames", "exception_only",
+                 "exit_code", "result_type", "exception")
+ENVELOPE_KINDS = ("exception", "exit", "result")
+
+# Sent to a rank to dump every thread's Python stack into its log (faulthandler) without
+# stopping it: by the engine at a timeout, by `fanrun stacks` at any time.
+STACK_DUMP_SIGNAL = signal.SIGUSR2
 
 
 def panel_metrics_name(rank: int) -> str:

@@ -1,5 +1,5 @@
 """MetricSender: a rank's end of its metric socket (the other end, in the tracking agent, is
-_tracking/metric_relay.py). Values gather in the rank for up to one buffering interval, as MLflow's
+backends/metric_relay.py). Values gather in the rank for up to one buffering interval, as MLflow's
 own asynchronous logging does, and go as one message: a logging call costs an append, and the
 relay is woken about once a second per rank, not once per value.
 

@@ -1,5 +1,5 @@
 """A spare rank: started before its call, it imports what the call's ranks will (torch, numpy:
-_launch/spares.py chooses), touching no GPU, then waits on its control channel for the call it
+backends/local/spares.py chooses), touching no GPU, then waits on its control channel for the call it
 becomes (contract.py, SPARE_CALL): its stdout and stderr, directory, argv and environment.
 From there it runs fanrun's worker exactly as a rank started for the call would. A call with
 keep_alive (contract.py, ENV_KEEP_ALIVE) that ends well leaves it waiting for the next call, in

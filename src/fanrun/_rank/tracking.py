@@ -7,7 +7,7 @@ names and waits for the answer, the run's identity or "not tracked"; then MLflow
 are set and the import goes on. A function that never imports mlflow never asks, and never waits.
 
 The metrics a rank logs on that run go over the same socket (metric_sender.py), and the
-agent writes them to the tracking store (_tracking/metric_relay.py): the rank pays for an append, not for
+agent writes them to the tracking store (backends/metric_relay.py): the rank pays for an append, not for
 a store's write, which costs a local sqlite store about 0.2 ms of CPU per value and would hold
 the rank's GIL while the loop runs.
 

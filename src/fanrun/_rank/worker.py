@@ -15,7 +15,6 @@ import faulthandler
 import os
 import pickle
 import runpy
-import signal
 import stat
 import sys
 import time
@@ -32,8 +31,7 @@ def _sibling(name: str) -> dict:
 
 _contract = types.SimpleNamespace(**_sibling("contract.py"))
 
-# Sent by the engine at a timeout: every thread's Python stack goes to stderr, hence to the log.
-STACK_DUMP_SIGNAL = signal.SIGUSR2
+STACK_DUMP_SIGNAL = _contract.STACK_DUMP_SIGNAL
 
 # The one-line messages on the control descriptor: "my error is written, I am failing", and
 # "my result is written". A function's rank that exits without either has failed.

@@ -20,9 +20,9 @@ from typing import Any
 
 from . import store as tracking_store
 from .agent_channel import FINISH_DEADLINE_S, START_DEADLINE_S, describe
-from .metric_relay import MetricRelay
+from ..backends.metric_relay import MetricRelay
 from .rank_values import write_other_ranks
-from .._launch.paths import rank_log
+from .._spec.paths import rank_log
 from .links import TrackedRun, masked
 from .system_metrics import SystemMetricsSampler, sampling_interval
 

@@ -41,8 +41,8 @@ from . import store as tracking_store
 from .._accelerators import Plan
 from .agent_channel import AGENT_START_S, CLOSE_DEADLINE_S, FINISH_DEADLINE_S, START_DEADLINE_S
 from .._errors import RunNotFoundError, RunTimeoutError, TrackingWarning
-from .metric_relay import RelaySocket
-from .._launch.paths import RunPaths
+from ..backends.metric_relay import RelaySocket
+from .._spec.paths import RunPaths
 from .links import TrackedRun, announce, in_jupyter_kernel
 
 # MLflow refuses longer tag values (5000 characters on some stores).

@@ -9,9 +9,9 @@ from typing import Protocol
 
 from .. import _core
 from .._accelerators import Plan
-from .._launch.paths import RunPaths
-from .._launch.program import RankProgram
-from .._launch.spares import KeptRanks
+from .._spec.paths import RunPaths
+from .._spec.program import RankProgram
+from .local.spares import KeptRanks
 
 # From SIGTERM to SIGKILL when the run stops early.
 KILL_GRACE_S = 5.0
@@ -34,9 +34,9 @@ class Launch:
     timeout: float | None
     expect_done: bool  # a function's ranks report "done" once their result is written
     wakeup_fd: int  # a descriptor that a signal makes readable: wait() then returns "interrupted"
-    warm: bool = False  # ranks may be spare ones, started ahead (_launch/spares.py), where the backend has them
+    warm: bool = False  # ranks may be spare ones, started ahead (backends/local/spares.py), where the backend has them
     # keep_alive: the ranks the function's last call kept, and where this call's ranks are kept
-    # once it ends well (_launch/spares.py).
+    # once it ends well (backends/local/spares.py).
     keep: KeptRanks | None = None
     # The variables of `env` that the call sets itself (a workload's env_variables, tracking's):
     # a cluster's ranks get them whatever their names.

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from .._accelerators import Plan
-from .._launch.paths import RunPaths
+from .._spec.paths import RunPaths
 from .._rank import contract
 
 # Set in every rank unless the caller set them (Megatron-LM measured 1012 s vs 26 s

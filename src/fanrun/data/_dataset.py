@@ -17,8 +17,17 @@ import torch.utils.data
 from .. import _core
 from .._errors import DataFileError, FanrunError
 from . import _split
-from ._cache import (FsspecFetch, cache_name, check_cache_limit, default_cache_dir, engine_fetches, engine_http_options,
-                     native_http_allowed, open_cache_dir, parse_byte_size)
+from ._cache import (
+    FsspecFetch,
+    cache_name,
+    check_cache_limit,
+    default_cache_dir,
+    engine_fetches,
+    engine_http_options,
+    native_http_allowed,
+    open_cache_dir,
+    parse_byte_size,
+)
 from ._dataset_source import SourceFile, shared_listing
 from ._first_batches import FirstBatchTurns, Turn
 from ._passes import CountedPasses

@@ -1,5 +1,5 @@
 """The client of a Ray cluster's job server (Ray Jobs), for workloads that run there as jobs
-(_runs/ray_job.py): the one place outside a call that imports ray."""
+(_detached/ray_job.py): the one place outside a call that imports ray."""
 
 from __future__ import annotations
 

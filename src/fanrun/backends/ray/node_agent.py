@@ -18,12 +18,12 @@ import sys
 import threading
 
 from ... import _core
-from ..._launch.paths import RunPaths
-from ..._launch.rendezvous import Rendezvous
+from ..._spec.paths import RunPaths
+from ..local.rendezvous import Rendezvous
 from ..._rank import tracking as rank_tracking
 from ..._rank.contract import ENV_NODE_ID, error_name, log_name, result_name
-from ..._rank.worker import STACK_DUMP_SIGNAL
-from ..._tracking.metric_relay import MetricRelay
+from ..._rank.contract import STACK_DUMP_SIGNAL
+from ..metric_relay import MetricRelay
 from .. import stack_dump
 from ..base import KILL_GRACE_S, STACK_DUMP_WAIT_S
 from ..local import KEEPER

@@ -17,7 +17,7 @@ import time
 
 from ... import _core
 from ..._errors import NodeLostError
-from ..._launch.paths import RunPaths
+from ..._spec.paths import RunPaths
 from . import placement
 from .metric_link import MetricLink
 

@@ -1,5 +1,5 @@
 """`fanrun run`: the same engine for scripts, modules and native programs, like torchrun; `fanrun ui`:
-MLflow's UI for the runs of tracked calls; `fanrun list|logs|attach|cancel`: detached runs (_cli_runs.py)."""
+MLflow's UI for the runs of tracked calls; `fanrun list|logs|attach|cancel`: detached runs (_cli/runs.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import os
 import signal
 import sys
 
-from . import __version__, _accelerators, _call, _cli_runs, _cli_torchrun
-from ._launch.program import RankProgram
-from ._decorator import DEFAULT_TIMEOUT, Options
-from ._errors import RankFailedError, RemoteTraceback, RunTimeoutError, StacksError
+from .. import __version__, _accelerators
+from .._launch import call as _call
+from . import runs as _cli_runs, torchrun_flags as _cli_torchrun
+from .._spec.program import RankProgram
+from .._decorator import DEFAULT_TIMEOUT, Options
+from .._errors import RankFailedError, RemoteTraceback, RunTimeoutError, StacksError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.command in _cli_runs.COMMANDS:
         return _cli_runs.main(options)
     if options.command == "stacks":
-        from ._launch import stacks
-        from ._terminal_text import printable
+        from .._launch import stacks
+        from .._display.terminal_text import printable
 
         try:
             print(printable(str(stacks.of_run(options.run))))  # a rank's log: its escape sequences stay there
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if options.command == "ui":
-        from ._tracking import ui
+        from .._tracking import ui
 
         return ui.main(options.backend_store_uri, options.port)
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .._accelerators import parse_accelerator_type
-from .._launch.program import RankProgram
+from .._spec.program import RankProgram
 from . import workload_command, workload_yaml
 from .workload_yaml import WorkloadError as WorkloadError
 
@@ -87,7 +87,8 @@ class _Where:
 
 def _check(fields: dict, where: _Where, base: Path) -> Workload:
     """Every field's type and range, in one place, before anything is imported or started."""
-    from .. import _decorator, _payload
+    from .. import _decorator
+    from .._spec import payload as _payload
 
     for key in fields:
         if key not in FIELDS:

@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from ._caller_frames import caller_stacklevel
-from ._errors import PayloadSerializationError, PayloadSizeWarning
+from .._caller_frames import caller_stacklevel
+from .._errors import PayloadSerializationError, PayloadSizeWarning
 
 _ADVICE = (
     "Create it inside the function instead, so that each rank makes its own "

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from .._errors import FanrunError, UnknownRunError
-from .._launch.paths import open_runs_root
+from .._spec.paths import open_runs_root
 from .._private_dir import open_private, open_private_subdir, replace_private
 
 QUEUED, RUNNING, FINISHED, FAILED, KILLED = "QUEUED", "RUNNING", "FINISHED", "FAILED", "KILLED"

@@ -1,4 +1,4 @@
-"""`fanrun submit`, `list`, `logs`, `attach`, `cancel`: detached runs from a shell (_runs/)."""
+"""`fanrun submit`, `list`, `logs`, `attach`, `cancel`: detached runs from a shell (_detached/)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def main(options: argparse.Namespace) -> int:
-    from ._errors import FanrunError, UnknownRunError
-    from ._runs import run as runs
-    from ._terminal_text import printable
+    from .._errors import FanrunError, UnknownRunError
+    from .._detached import run as runs
+    from .._display.terminal_text import printable
 
     try:
         if options.command == "submit":
@@ -81,10 +81,10 @@ def main(options: argparse.Namespace) -> int:
 
 
 def _submit(options: argparse.Namespace) -> int:
-    from ._accelerators import plan_run, detect
-    from ._launch import preflight
-    from ._runs import run as runs
-    from ._runs.workload import WorkloadError, load
+    from .._accelerators import plan_run, detect
+    from .._launch import preflight
+    from .._detached import run as runs
+    from .._detached.workload import WorkloadError, load
 
     try:
         workload = load(options.workload, options.override)
@@ -104,11 +104,11 @@ def _submit(options: argparse.Namespace) -> int:
 
 
 def _submit_to_ray(workload, options: argparse.Namespace) -> int:
-    """compute.nodes above 1: a job of the Ray cluster's own job system (_runs/ray_job.py)."""
+    """compute.nodes above 1: a job of the Ray cluster's own job system (_detached/ray_job.py)."""
     import json
 
-    from ._errors import FanrunError
-    from ._runs import run as runs
+    from .._errors import FanrunError
+    from .._detached import run as runs
 
     address = options.ray_address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
     if not address:
@@ -149,7 +149,7 @@ def _started(run, options: argparse.Namespace) -> int:
 
 def _reason(run) -> str:
     """Why the run ended as it did, as one line: a rank's exception text, without its control characters."""
-    from ._terminal_text import printable
+    from .._display.terminal_text import printable
 
     reason = run.info.get("reason")
     return f": {printable(reason, keep='')}" if reason else ""

@@ -1,4 +1,4 @@
-"""The entrypoint of a workload's Ray job (ray_job.py): `python -m fanrun._runs.ray_driver
+"""The entrypoint of a workload's Ray job (ray_job.py): `python -m fanrun._detached.ray_driver
 <fields>`, run by the cluster's job server on its head, in the workload file's folder.
 
 It is the call's caller: it runs the workload through fanrun's Ray backend as a blocking call
@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from .. import _call
+from .._launch import call as _call
 from .._errors import raised_for_the_caller
 from . import runner
 from .ray_job import OUTCOME_MARK

@@ -1,7 +1,7 @@
 """One call, driven to its end: the plan, the GPUs' locks, the MLflow runs (one per attempt,
 nested under the call's own when it may restart), each attempt's run directory, the ranks, and
 the restarts (max_restarts). The decorator (_decorator.py) and a detached run's runner
-(_runs/runner.py) both call through here."""
+(_detached/runner.py) both call through here."""
 
 from __future__ import annotations
 
@@ -11,23 +11,25 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
-from . import _accelerators
-from ._launch import gpu_locks, program, run, spares
-from ._launch.paths import RunPaths
-from ._rank import contract
-from ._tracking import caller as call_tracking
-from ._tracking import system_metrics
-from .backends import local as local_backend
-from .backends.rank_env import RANK_DEFAULTS
+from .. import _accelerators
+from . import gpu_locks, run
+from .._spec import program
+from ..backends.local import spares
+from .._spec.paths import RunPaths
+from .._rank import contract
+from .._tracking import caller as call_tracking
+from .._tracking import system_metrics
+from ..backends.local import backend as local_backend
+from ..backends.rank_env import RANK_DEFAULTS
 
 if TYPE_CHECKING:
-    from ._decorator import Options
+    from .._decorator import Options
 
 
 def plan_for(options: Options) -> tuple[_accelerators.Plan, _accelerators.Inventory | None]:
     """The call's plan, checked against the machine (or the cluster), and this machine's inventory."""
     if _backend_for(options) == "ray":
-        from .backends import ray as ray_backend
+        from ..backends import ray as ray_backend
 
         if options.keep_alive:
             raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; a call through "
@@ -127,7 +129,7 @@ def _say(text: str) -> None:
 
 def _backend_for(options: Options) -> str:
     """Where this call runs: Ray when asked, or when connected and nodes is given; else here."""
-    from .backends.ray.connect import is_connected
+    from ..backends.ray.connect import is_connected
 
     if options.backend is not None:
         return options.backend

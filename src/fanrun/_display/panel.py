@@ -8,7 +8,7 @@ import collections
 import dataclasses
 import statistics
 
-from .._terminal_text import printable
+from .terminal_text import printable
 from . import progress_text
 from .progress_text import Progress
 

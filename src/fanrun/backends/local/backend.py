@@ -1,7 +1,7 @@
 """The local backend: every rank on this machine, started and supervised by the engine
 (cpp/include/fanrun/supervisor.h), each under a keeper of its own, with a rendezvous on 127.0.0.1
 that the caller holds for the run. A warm call's ranks are spares where there are some
-(_launch/spares.py), and it leaves as many spares for the next call. A call with keep_alive
+(backends/local/spares.py), and it leaves as many spares for the next call. A call with keep_alive
 runs on the ranks the function's last call kept, and keeps its own for the next one."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import _core
-from .._accelerators import Plan
-from .._launch import spares as spare_ranks
-from .._launch.rendezvous import Rendezvous
-from .._rank import contract
-from .._rank.worker import STACK_DUMP_SIGNAL
-from . import stack_dump
-from .base import KILL_GRACE_S, STACK_DUMP_WAIT_S, Launch
-from .rank_env import RANK_DEFAULTS, NodeLayout, flatten, rank_environment
+from ... import _core
+from ..._accelerators import Plan
+from . import spares as spare_ranks
+from .rendezvous import Rendezvous
+from ..._rank import contract
+from ..._rank.contract import STACK_DUMP_SIGNAL
+from .. import stack_dump
+from ..base import KILL_GRACE_S, STACK_DUMP_WAIT_S, Launch
+from ..rank_env import RANK_DEFAULTS, NodeLayout, flatten, rank_environment
 
 # Each rank runs under a keeper of its own, which ends every process the rank started when the
 # rank ends or the caller dies (cpp/include/fanrun/kept_process.h).
-KEEPER = str(Path(__file__).parent.parent / "fanrun-keeper")
+KEEPER = str(Path(__file__).parents[2] / "fanrun-keeper")
 
 
 class LocalBackend:

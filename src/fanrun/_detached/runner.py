@@ -21,7 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .. import _call
+from .._launch import call as _call
 from .._errors import FanrunError, RemoteTraceback, raised_for_the_caller
 from . import store, stream
 

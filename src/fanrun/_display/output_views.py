@@ -18,7 +18,7 @@ import sys
 import unicodedata
 from typing import Protocol, TextIO
 
-from .._terminal_text import printable
+from .terminal_text import printable
 
 # (rank, stream number: 1 stdout, 2 stderr)
 Key = tuple[int, int]

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from typing import Callable
 
-from .._launch.program import RankProgram
+from .._spec.program import RankProgram
 
 SHELL = ("bash", "-e", "-o", "pipefail", "-c")
 

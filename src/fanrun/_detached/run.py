@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .._errors import FanrunError, RemoteTraceback, RunCancelledError, UnknownRunError
 from .._private_dir import open_private
-from .._terminal_text import printable
+from .._display.terminal_text import printable
 from . import ray_job, store, stream
 
 # How long start() waits for the runner to be up (its imports: fanrun, cloudpickle).
@@ -178,7 +178,7 @@ def start(name: str, payload: bytes | None, options, *, program=None, env: dict[
     store.write_bytes(directory, store.SPEC, pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
     store.update_state(directory, status=store.QUEUED, name=name, created=time.time())
     # This fanrun, whatever the caller's sys.path; the runner takes the caller's once it runs.
-    bootstrap = f"import sys; sys.path.insert(0, {_package_parent()!r}); from fanrun._runs.runner import main; main()"
+    bootstrap = f"import sys; sys.path.insert(0, {_package_parent()!r}); from fanrun._detached.runner import main; main()"
     runner = subprocess.Popen(
         [sys.executable, "-c", bootstrap, str(directory)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -220,7 +220,7 @@ COLUMNS = ("RUN", "STATUS", "STARTED", "TOOK", "WHY")
 
 def table(found: list[Run]) -> list[str]:
     """The lines of `fanrun list`: a header, then one line per run, in aligned columns. No text
-    of a run reaches the terminal with a control character in it (_terminal_text.py)."""
+    of a run reaches the terminal with a control character in it (_display/terminal_text.py)."""
     rows = [COLUMNS] + [tuple(printable(cell, keep="") for cell in _row(run)) for run in found]
     widths = [max(len(row[column]) for row in rows) for column in range(len(COLUMNS) - 1)]
     lines = []

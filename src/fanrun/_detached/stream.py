@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
-from .._terminal_text import printable
+from .._display.terminal_text import printable
 from . import store
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -307,7 +307,7 @@ def _copy_rest(directory: Path, offset: int, out: _Writer) -> int:
 
 class _Writer:
     """Text to this process's streams, decoded across frame boundaries, without control
-    sequences (_terminal_text.py); one rank's lines alone where a rank is given."""
+    sequences (_display/terminal_text.py); one rank's lines alone where a rank is given."""
 
     def __init__(self, rank: int | None) -> None:
         self._decoders = {number: codecs.getincrementaldecoder("utf-8")("replace") for number in (1, 2)}

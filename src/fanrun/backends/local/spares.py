@@ -17,9 +17,9 @@ import sys
 import threading
 import weakref
 
-from .. import _core
-from .._rank import contract
-from .._rank.spare import bootstrap_code
+from ... import _core
+from ..._rank import contract
+from ..._rank.spare import bootstrap_code
 
 # Imported by every spare when the caller has imported them: the heavy third-party modules of
 # training code, whose import is safe without a GPU. Never the caller's own modules, nor __main__.

@@ -31,7 +31,7 @@ STATUS = {"PENDING": store.QUEUED, "RUNNING": store.RUNNING, "SUCCEEDED": store.
 def submit(directory: Path, workload, *, address: str, cwd: str) -> None:
     """Submits the workload as the job of the run in `directory`, with the run's id as its id."""
     fields = json.dumps(workload.fields)  # the file's own values: YAML scalars, lists and mappings
-    entrypoint = f"python -m fanrun._runs.ray_driver {base64.urlsafe_b64encode(fields.encode()).decode()}"
+    entrypoint = f"python -m fanrun._detached.ray_driver {base64.urlsafe_b64encode(fields.encode()).decode()}"
     store.update_state(directory, status=store.QUEUED, name=workload.name, created=time.time(),
                        ray_job={"address": address})
     try:

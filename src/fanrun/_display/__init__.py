@@ -1,0 +1,1 @@
+"""How the ranks' output shows: the output mux, terminal and notebook views, the live panel."""
