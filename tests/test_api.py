@@ -253,8 +253,8 @@ def test_arguments_that_do_not_fit_the_signature_are_a_type_error_before_any_ran
 def test_gpus_asks_for_gpus_and_without_them_is_an_error():
     with pytest.raises(fanrun.AcceleratorMismatchError, match=r"gpus=8 asks for GPUs, but this machine has no GPU "
                                                               r"\(.*\); to run CPU processes here, pass num_accelerators=8"):
-        plan_run(8, None, NO_GPU, gpus_asked=True)
-    assert plan_run(2, None, machine(2), gpus_asked=True).use_gpus
+        plan_run(8, None, NO_GPU, gpus_required=("gpus=8", "pass num_accelerators=8 instead"))
+    assert plan_run(2, None, machine(2), gpus_required=("gpus=2", "pass num_accelerators=2 instead")).use_gpus
 
 
 @pytest.mark.skipif(fanrun._accelerators.detect().visible, reason="needs a machine without a GPU")

@@ -208,13 +208,14 @@ def test_unpicklable_return_value_names_the_rank_and_type():
 
 
 def test_missing_executable_is_an_error_before_the_run(monkeypatch):
-    from fanrun import _accelerators
+    from fanrun._launch import call
     from fanrun._spec.program import RankProgram
-    from fanrun._launch.run import run
+    from fanrun._spec.spec import Options
 
-    plan = _accelerators.plan_run(2, None, _accelerators.detect())
+    spec = call.plan("x", Options(num_accelerators=2, accelerator=None, timeout=None, leave_mlflow_alone=True),
+                     RankProgram.native(["/nonexistent/python"]))
     with pytest.raises(fanrun.ExecutableNotFoundError, match="Rank 0 could not start: Cannot run '/nonexistent/python'"):
-        run(name="x", plan=plan, program=RankProgram.native(["/nonexistent/python"]), timeout=None)
+        call.run(spec)
 
 
 GPU_SEED_CODE = """

@@ -42,9 +42,9 @@ _CALL_MACHINERY = {
     "flush_tracking": "_tracking.caller",
     "warmup": "_warmup",
     "cooldown": "_warmup",
-    "Run": "_runs.run",
-    "attach": "_runs.run",
-    "runs": "_runs.run",
+    "Run": "_detached.run",
+    "attach": "_detached.run",
+    "runs": "_detached.run",
     "stacks": "_launch.stacks",
     # Ray is imported by these alone, when they are called.
     "ray_init": "backends.ray.connect",

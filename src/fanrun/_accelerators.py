@@ -175,17 +175,17 @@ class Plan:
 
 
 def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, inventory: Inventory, *,
-             gpus_asked: bool = False) -> Plan:
+             gpus_required: tuple[str, str] | None = None) -> Plan:
     """Checks the request against the hardware; every mismatch is an error here, before any process starts.
-    `gpus_asked`: the count came as serverless_gpu's gpus=, which asks for GPUs, not CPU processes."""
+    `gpus_required`: the caller asked for GPUs, not CPU processes: how it asked (serverless_gpu's
+    "gpus=2", TorchDistributor's "use_gpu=True") and how to ask for CPU processes instead."""
     use_gpus = bool(inventory.visible) and not (request and request.cpu)
     if request and not request.cpu:
         _check_type_matches(request, inventory)
-    if gpus_asked and not inventory.visible and not (request and request.cpu):
-        count = "" if num_accelerators is None else f"={num_accelerators}"
+    if gpus_required is not None and not inventory.visible and not (request and request.cpu):
+        asked, instead = gpus_required
         raise AcceleratorMismatchError(
-            f"gpus{count} asks for GPUs, but this machine has {inventory.describe()}; to run CPU processes here, "
-            f"pass num_accelerators{count} instead"
+            f"{asked} asks for GPUs, but this machine has {inventory.describe()}; to run CPU processes here, {instead}"
         )
     if use_gpus:
         available = len(inventory.visible)

@@ -11,56 +11,20 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 from . import _accelerators, _errors
-from ._launch import call as _call
-from ._spec import payload as _payload
-from ._tracking import caller as call_tracking
-from ._launch import preflight
-from .backends.local import spares
-from ._display.output import DISPLAYS
-from ._launch.run import DEFAULT_STALL_WARNING_S
-from ._accelerators import AcceleratorRequest
 from ._caller_frames import raised_from_the_caller
+from ._launch import call
+from ._spec import payload as _payload
+from ._spec.program import RankProgram
+from ._spec.spec import DEFAULT_STALL_WARNING_S, DEFAULT_TIMEOUT_S, DISPLAYS, Options
+from ._tracking import caller as call_tracking
+from .backends.local import spares
 
 if TYPE_CHECKING:
     from ._detached.run import Run
 
-DEFAULT_TIMEOUT = 3 * 60 * 60  # seconds
+DEFAULT_TIMEOUT = DEFAULT_TIMEOUT_S  # seconds
 _UNSET: Any = object()
 R = TypeVar("R")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    num_accelerators: int | None
-    accelerator: AcceleratorRequest | None
-    timeout: float | None
-    # The count came as serverless_gpu's gpus=, which asks for GPUs: without them, an error, not CPU processes.
-    gpus_asked: bool = False
-    experiment_name: str | None = None
-    run_id: str | None = None
-    tracking: bool = True
-    # Neither a run nor MLflow variables: the ranks' MLflow is the caller's, as configured (what
-    # Spark's TorchDistributor does, which fanrun.TorchDistributor follows).
-    leave_mlflow_alone: bool = False
-    # Machines (None: this one), where the ranks run (None: Ray when connected and nodes is
-    # given, else this machine), and how long a cluster may take to fit the call.
-    nodes: int | None = None
-    backend: str | None = None
-    placement_timeout: float = 60.0
-    # Ranks from spares started ahead (backends/local/spares.py): None follows FANRUN_WARM and fanrun.warmup().
-    warm: bool | None = None
-    # The ranks stay alive between the calls of the function (backends/local/spares.py, KeptRanks).
-    keep_alive: bool = False
-    # .distributed() returns a fanrun.Run at once; the call goes on in a process of its own (_detached/).
-    detach: bool = False
-    # A failed attempt starts every rank again, this many times at most.
-    max_restarts: int = 0
-    # The MLflow run's name (a workload's mlflow_run_name); None: the function's name and a random part.
-    run_name: str | None = None
-    # How the ranks' output shows (_display/output.py): "panel", "logs", "quiet"; None: the panel
-    # in a notebook, logs elsewhere. The panel flags a rank quiet for stall_warning seconds.
-    display: str | None = None
-    stall_warning: float | None = DEFAULT_STALL_WARNING_S
 
 
 class DistributedFunction(Generic[R]):
@@ -83,17 +47,14 @@ class DistributedFunction(Generic[R]):
 
     def _run(self, args: tuple, kwargs: dict) -> list[R] | Run:
         _check_arguments(self._fn, args, kwargs)
-        options = self._options
-        plan, inventory = _call.plan_for(options)
-        # Before the MLflow run starts: a call that cannot start leaves no trace.
-        preflight.preflight(plan)
-        payload = _payload.serialize_call(self._fn, args, kwargs)
-        name = getattr(self._fn, "__name__", "function")
-        if options.detach:
+        # Planned before the MLflow run starts: a call that cannot start leaves no trace.
+        spec = call.plan(getattr(self._fn, "__name__", "function"), self._options, RankProgram.function())
+        spec = dataclasses.replace(spec, payload=_payload.serialize_call(self._fn, args, kwargs))
+        if spec.options.detach:
             from ._detached import run as detached
 
-            return detached.start(name, payload, options)
-        return _call.run_call(payload, name, options, plan, inventory, kept=self._kept)
+            return detached.start(spec)
+        return call.run(spec, kept=self._kept)
 
     def __repr__(self) -> str:
         return f"<fanrun.distributed {getattr(self._fn, '__qualname__', self._fn)!r}>"
@@ -192,7 +153,7 @@ def distributed(
         num_accelerators=_check_count(num_accelerators),
         accelerator=_accelerators.parse_accelerator_type(accelerator_type),
         timeout=_check_timeout(timeout),
-        gpus_asked=gpus is not _UNSET,
+        gpus_required=None if gpus is _UNSET else (f"gpus={gpus!r}", f"pass num_accelerators={gpus!r} instead"),
         **_check_tracking(experiment_name, run_id, tracking),
         **_check_cluster(nodes, backend, placement_timeout, num_accelerators),
         warm=warm,

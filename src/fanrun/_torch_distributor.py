@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 from . import _accelerators
 from ._caller_frames import raised_from_the_caller
+from ._decorator import DistributedFunction
+from ._launch import call
 from ._spec.program import RankProgram
-from ._launch.run import run
-from ._decorator import DEFAULT_TIMEOUT, DistributedFunction, Options
-from ._errors import AcceleratorMismatchError
+from ._spec.spec import DEFAULT_TIMEOUT_S, Options
 
 
 class TorchDistributor:
@@ -50,35 +50,22 @@ class TorchDistributor:
         return self._run(train_object, args, kwargs)
 
     def _run(self, train_object: Callable | str | os.PathLike, args: tuple, kwargs: dict) -> Any:
-        accelerator = None if self.use_gpu else _accelerators.AcceleratorType.CPU
         if isinstance(train_object, (str, os.PathLike)):
-            return self._run_file(os.fspath(train_object), args, kwargs)
+            path = os.fspath(train_object)
+            if kwargs:
+                raise TypeError("a .py file takes its arguments as strings in *args, not keyword arguments")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"train_object {path!r} is neither a function nor an existing file")
+            call.run(call.plan(os.path.basename(path), self._options(), RankProgram.script(path, [str(a) for a in args])))
+            return None
         if not callable(train_object):
             raise TypeError(f"train_object must be a function or the path of a .py file, not {type(train_object).__name__}")
-        self._check_gpus()
-        options = Options(num_accelerators=self.num_processes, accelerator=_accelerators.parse_accelerator_type(accelerator),
-                          timeout=DEFAULT_TIMEOUT, leave_mlflow_alone=True)
-        return DistributedFunction(train_object, options).distributed(*args, **kwargs)[0]
+        return DistributedFunction(train_object, self._options()).distributed(*args, **kwargs)[0]
 
-    def _run_file(self, path: str, args: tuple, kwargs: dict) -> None:
-        if kwargs:
-            raise TypeError("a .py file takes its arguments as strings in *args, not keyword arguments")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"train_object {path!r} is neither a function nor an existing file")
-        self._check_gpus()
-        request = None if self.use_gpu else _accelerators.parse_accelerator_type("CPU")
-        plan = _accelerators.plan_run(self.num_processes, request, _accelerators.detect())
-        run(
-            name=os.path.basename(path),
-            plan=plan,
-            program=RankProgram.script(path, [str(a) for a in args]),
-            timeout=DEFAULT_TIMEOUT,
-        )
-        return None
-
-    def _check_gpus(self) -> None:
-        inventory = _accelerators.detect()
-        if self.use_gpu and not inventory.visible:
-            raise AcceleratorMismatchError(
-                f"use_gpu=True, but this machine has {inventory.describe()}; pass use_gpu=False to run CPU processes"
-            )
+    def _options(self) -> Options:
+        """As Spark's: use_gpu=True takes one GPU per process, and without them is an error; the
+        ranks' MLflow is the caller's, untouched."""
+        accelerator = None if self.use_gpu else _accelerators.parse_accelerator_type("CPU")
+        required = ("use_gpu=True", "pass use_gpu=False") if self.use_gpu else None
+        return Options(num_accelerators=self.num_processes, accelerator=accelerator, timeout=DEFAULT_TIMEOUT_S,
+                       gpus_required=required, leave_mlflow_alone=True)

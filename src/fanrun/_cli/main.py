@@ -9,11 +9,11 @@ import signal
 import sys
 
 from .. import __version__, _accelerators
-from .._launch import call as _call
-from . import runs as _cli_runs, torchrun_flags as _cli_torchrun
-from .._spec.program import RankProgram
-from .._decorator import DEFAULT_TIMEOUT, Options
 from .._errors import RankFailedError, RemoteTraceback, RunTimeoutError, StacksError
+from .._launch import call
+from .._spec.program import RankProgram
+from .._spec.spec import DEFAULT_TIMEOUT_S, Options
+from . import runs as _cli_runs, torchrun_flags as _cli_torchrun
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                      "(default: every GPU, or %d CPU processes)" % _accelerators.DEFAULT_CPU_RANKS)
     run.add_argument("--accelerator-type", default=None, metavar="TYPE",
                      help="the machine type to expect, such as GPU_8xH100, or CPU to run CPU processes")
-    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                      help="seconds before every rank is stopped (default: 3 hours; 0: none)")
     kind = run.add_mutually_exclusive_group()
     kind.add_argument("-m", "--module", action="store_true", help="run TARGET as a module, like python -m")
@@ -85,12 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         if count is not None and count < 1:
             raise ValueError(f"-n must be at least 1, not {count}")
         accelerator_type = "CPU" if cpu and options.accelerator_type is None else options.accelerator_type
-        call = Options(num_accelerators=count, accelerator=_accelerators.parse_accelerator_type(accelerator_type),
-                       timeout=options.timeout if options.timeout and options.timeout > 0 else None,
-                       # The ranks' MLflow is the caller's environment's, as under torchrun.
-                       leave_mlflow_alone=True,
-                       max_restarts=_cli_torchrun.max_restarts(options))
-        plan, inventory = _call.plan_for(call)
+        asked = Options(num_accelerators=count, accelerator=_accelerators.parse_accelerator_type(accelerator_type),
+                        timeout=options.timeout if options.timeout and options.timeout > 0 else None,
+                        # The ranks' MLflow is the caller's environment's, as under torchrun.
+                        leave_mlflow_alone=True,
+                        max_restarts=_cli_torchrun.max_restarts(options))
         if not options.no_python and not options.module and not os.path.isfile(options.target):
             raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
                                     f"use -m for a module, or --no-python for a program")
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             program = RankProgram.native([options.target, *options.args])
         else:
             program = RankProgram.script(options.target, options.args, module=options.module)
-        # The one call path of the decorator's: the GPUs' locks, each attempt, the restarts.
-        _call.run_call(None, options.target.rsplit("/", 1)[-1], call, plan, inventory, rank_program=program)
+        call.run(call.plan(options.target.rsplit("/", 1)[-1], asked, program))
         return 0
     except KeyboardInterrupt:
         print("fanrun: interrupted; every rank was stopped", file=sys.stderr)

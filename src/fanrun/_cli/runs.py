@@ -81,25 +81,22 @@ def main(options: argparse.Namespace) -> int:
 
 
 def _submit(options: argparse.Namespace) -> int:
-    from .._accelerators import plan_run, detect
-    from .._launch import preflight
     from .._detached import run as runs
-    from .._detached.workload import WorkloadError, load
+    from .._detached.workload import WorkloadError, load, spec_of
 
     try:
         workload = load(options.workload, options.override)
         if workload.nodes > 1:
             return _submit_to_ray(workload, options)
-        plan = plan_run(workload.options.num_accelerators, workload.options.accelerator, detect())
-        preflight.preflight(plan)
+        spec = spec_of(workload)
     except (WorkloadError, ValueError, TypeError) as error:
         print(f"fanrun: {error}", file=sys.stderr)
         return 2
     if options.dry_run:
-        print(f"would run {workload.shown} on {plan.description}, max_retries {workload.options.max_restarts}, "
+        print(f"would run {workload.shown} on {spec.plan.description}, max_retries {workload.options.max_restarts}, "
               f"timeout {'none' if workload.options.timeout is None else f'{workload.options.timeout:g} s'}")
         return 0
-    run = runs.submit(workload, cwd=_folder(options), idempotency_key=options.idempotency_key)
+    run = runs.submit(spec, cwd=_folder(options), idempotency_key=options.idempotency_key)
     return _started(run, options)
 
 
@@ -125,7 +122,8 @@ def _submit_to_ray(workload, options: argparse.Namespace) -> int:
               f"max_retries {workload.options.max_restarts}")
         return 0
     try:
-        run = runs.submit(workload, cwd=_folder(options), idempotency_key=options.idempotency_key, ray_address=address)
+        run = runs.submit_to_ray(workload, cwd=_folder(options), ray_address=address,
+                                 idempotency_key=options.idempotency_key)
     except FanrunError as error:
         print(f"fanrun: {error}", file=sys.stderr)
         return 1

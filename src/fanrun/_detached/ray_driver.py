@@ -16,11 +16,11 @@ import sys
 import traceback
 from pathlib import Path
 
-from .._launch import call as _call
+from .._launch import call
 from .._errors import raised_for_the_caller
 from . import runner
 from .ray_job import OUTCOME_MARK
-from .workload import from_fields
+from .workload import from_fields, spec_of
 
 
 def main() -> int:
@@ -34,10 +34,8 @@ def main() -> int:
         workload = from_fields(fields, Path.cwd())
         ray_init()  # the job's own cluster
         signal.signal(signal.SIGTERM, runner.cancel)  # again: Ray's worker set its own, which exits at once
-        options = dataclasses.replace(workload.options, backend="ray")
-        plan, _ = _call.plan_for(options)
-        results = _call.run_call(workload.payload, workload.name, options, plan, None,
-                                 rank_program=workload.program, env=workload.env)
+        results = call.run(spec_of(dataclasses.replace(workload, options=dataclasses.replace(workload.options,
+                                                                                               backend="ray"))))
         outcome, status = cloudpickle.dumps({"results": results}), 0
     except runner.Cancelled:
         print("fanrun: the run was cancelled; its ranks were stopped", file=sys.stderr)

@@ -17,6 +17,7 @@ from pathlib import Path
 from .._errors import FanrunError, RemoteTraceback, RunCancelledError, UnknownRunError
 from .._private_dir import open_private
 from .._display.terminal_text import printable
+from .._spec.spec import CallSpec
 from . import ray_job, store, stream
 
 # How long start() waits for the runner to be up (its imports: fanrun, cloudpickle).
@@ -150,33 +151,46 @@ class Run:
         return f"<fanrun.Run {self.id} {_status(self)[0]}>"  # DAMAGED or UNKNOWN rather than an error
 
 
-def submit(workload, *, cwd: str, idempotency_key: str | None = None, ray_address: str | None = None) -> Run:
-    """Starts a workload file's run (workload.py) in `cwd`, or with more than one node, submits it
-    as a job to the Ray cluster at `ray_address` (its dashboard's); with an idempotency key that
-    a run has already claimed, returns that run instead and starts nothing."""
+def submit(spec: CallSpec, *, cwd: str, idempotency_key: str | None = None) -> Run:
+    """Starts a workload's run in `cwd`; with an idempotency key that a run has already claimed,
+    returns that run instead and starts nothing."""
+    directory = store.create(spec.name)
+    claimed = _claimed_by(idempotency_key, directory)
+    if claimed is not None:
+        return claimed
+    return start(spec, cwd=cwd, directory=directory)
+
+
+def submit_to_ray(workload, *, cwd: str, ray_address: str, idempotency_key: str | None = None) -> Run:
+    """Submits a workload of more than one node as a job to the Ray cluster at `ray_address` (its
+    dashboard's), as submit() does for this machine."""
     directory = store.create(workload.name)
-    if idempotency_key is not None:
-        claimed = store.claim_key(idempotency_key, directory.name)
-        if claimed != directory.name:
-            store.remove_unstarted(directory)
-            return Run(claimed)
-    if workload.nodes > 1:
-        ray_job.submit(directory, workload, address=ray_address, cwd=cwd)
-        return Run(directory.name)
-    return start(workload.name, workload.payload, workload.options, program=workload.program, env=workload.env,
-                 cwd=cwd, directory=directory)
+    claimed = _claimed_by(idempotency_key, directory)
+    if claimed is not None:
+        return claimed
+    ray_job.submit(directory, workload, address=ray_address, cwd=cwd)
+    return Run(directory.name)
 
 
-def start(name: str, payload: bytes | None, options, *, program=None, env: dict[str, str] | None = None,
-          cwd: str | None = None, directory: Path | None = None) -> Run:
-    """Starts a runner for the call (or for `program`, a script or a program, without a payload),
-    with `env` added to its ranks' environment, in `cwd` (default: this one); returns once the
-    runner is up, with the run's handle. `directory`: the run's, made already (store.create)."""
-    directory = directory or store.create(name)
-    spec = {"name": name, "payload": payload, "options": options, "program": program, "env": env or {},
-            "sys_path": list(sys.path), "cwd": cwd or os.getcwd()}
-    store.write_bytes(directory, store.SPEC, pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
-    store.update_state(directory, status=store.QUEUED, name=name, created=time.time())
+def _claimed_by(idempotency_key: str | None, directory: Path) -> Run | None:
+    """The run that claimed this idempotency key before, with `directory`, this one's, removed; None
+    where this run is the first to claim it (or there is no key)."""
+    if idempotency_key is None:
+        return None
+    claimed = store.claim_key(idempotency_key, directory.name)
+    if claimed == directory.name:
+        return None
+    store.remove_unstarted(directory)
+    return Run(claimed)
+
+
+def start(spec: CallSpec, *, cwd: str | None = None, directory: Path | None = None) -> Run:
+    """Starts a runner for the call, in `cwd` (default: this one); returns once the runner is up,
+    with the run's handle. `directory`: the run's, made already (store.create)."""
+    directory = directory or store.create(spec.name)
+    runner_spec = {"call": spec, "sys_path": list(sys.path), "cwd": cwd or os.getcwd()}
+    store.write_bytes(directory, store.SPEC, pickle.dumps(runner_spec, protocol=pickle.HIGHEST_PROTOCOL))
+    store.update_state(directory, status=store.QUEUED, name=spec.name, created=time.time())
     # This fanrun, whatever the caller's sys.path; the runner takes the caller's once it runs.
     bootstrap = f"import sys; sys.path.insert(0, {_package_parent()!r}); from fanrun._detached.runner import main; main()"
     runner = subprocess.Popen(

@@ -21,7 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .._launch import call as _call
+from .._launch import call
 from .._errors import FanrunError, RemoteTraceback, raised_for_the_caller
 from . import store, stream
 
@@ -94,22 +94,19 @@ def _run(spec: dict, directory: Path) -> tuple[str, bytes, str]:
     """(status, outcome.pkl's bytes, reason)."""
     import cloudpickle
 
-    options = spec["options"]
+    call_spec = spec["call"]
     try:
-        plan, inventory = _call.plan_for(options)
-
         def record(paths) -> None:
             # Each attempt, once its GPUs are free: QUEUED until then.
             try:
                 store.update_state(directory, status=store.RUNNING, started=time.time(), run_dir=str(paths.directory),
-                                   world_size=plan.world_size)
+                                   world_size=call_spec.plan.world_size)
             except OSError as error:
                 # A full disk: the run goes on, and its end is written in the room held for it.
                 if error.errno not in store.NO_ROOM:
                     raise
 
-        results = _call.run_call(spec["payload"], spec["name"], options, plan, inventory,
-                                 rank_program=spec["program"], env=spec["env"], on_paths=record)
+        results = call.run(call_spec, on_paths=record)
     except Cancelled:
         print("fanrun: the run was cancelled; its ranks were stopped", file=sys.stderr)
         return store.KILLED, cloudpickle.dumps({"cancelled": True}), "cancelled"

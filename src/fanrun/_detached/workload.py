@@ -26,6 +26,7 @@ from typing import Any
 
 from .._accelerators import parse_accelerator_type
 from .._spec.program import RankProgram
+from .._spec.spec import Options
 from . import workload_command, workload_yaml
 from .workload_yaml import WorkloadError as WorkloadError
 
@@ -43,10 +44,18 @@ class Workload:
     fields: dict[str, Any]
     program: RankProgram | None  # a script, module or program; None for a function
     payload: bytes | None  # a function's call
-    options: Any  # _decorator.Options
+    options: Options
     env: dict[str, str]
     nodes: int  # above 1: a Ray job (ray_job.py)
     shown: str  # what every rank runs, as --dry-run shows it
+
+
+def spec_of(workload: Workload):
+    """The workload as the call path runs it on this machine, checked against it (_launch/call.py)."""
+    from .._launch import call
+
+    return call.plan(workload.name, workload.options, workload.program or RankProgram.function(),
+                     payload=workload.payload, env=workload.env)
 
 
 def load(path: str, overrides: list[str]) -> Workload:
@@ -87,7 +96,6 @@ class _Where:
 
 def _check(fields: dict, where: _Where, base: Path) -> Workload:
     """Every field's type and range, in one place, before anything is imported or started."""
-    from .. import _decorator
     from .._spec import payload as _payload
 
     for key in fields:
@@ -150,7 +158,7 @@ def _check(fields: dict, where: _Where, base: Path) -> Workload:
         program = workload_command.rank_program(
             fields["command"], env["PATH"], lambda keys, problem: where.error(("command", *keys), problem))
         name, payload, shown = workload_command.name(fields["command"]), None, workload_command.shown(program)
-    options = _decorator.Options(
+    options = Options(
         num_accelerators=count, accelerator=accelerator,
         timeout=None if minutes is None else float(minutes) * 60,
         experiment_name=fields.get("experiment_name"), run_name=fields.get("mlflow_run_name"),

@@ -1,5 +1,5 @@
-"""One run: start every rank through a backend, relay its output, wait, and turn the outcome
-into the ranks' results or the root cause's exception."""
+"""One attempt of a call: start every rank through a backend, relay its output, wait, and turn the
+outcome into the ranks' results or the root cause's exception."""
 
 from __future__ import annotations
 
@@ -9,22 +9,16 @@ import sys
 from collections.abc import Callable, Mapping
 
 from .. import _core, backends
+from .._display.output import OutputMux
 from .._errors import RemoteTraceback
 from .._rank import contract
-from .._accelerators import Plan
-from ..backends.base import Launch, Ranks
-from . import hints
-from .outcome import TimeoutReport, collect
-from .._display.output import OutputMux
 from .._spec.paths import RunPaths
-from .preflight import preflight
-from .._spec.program import RankProgram
-from . import running_calls
-from .signals import SignalWakeup
+from .._spec.spec import CallSpec, Launch
+from ..backends.base import Ranks
 from ..backends.local.spares import KeptRanks
-
-# A panel flags a rank with no output, progress or metric for this long (as @distributed's default).
-DEFAULT_STALL_WARNING_S = 300.0
+from . import hints, running_calls
+from .outcome import TimeoutReport, collect
+from .signals import SignalWakeup
 
 # Whether this process has said that it found no GPU, and which warnings about the plan it gave:
 # once is enough, a notebook that calls again knows them by then.
@@ -32,33 +26,17 @@ no_gpu_notice_shown = False
 plan_warnings_shown: set[str] = set()
 
 
-def run(
-    *,
-    name: str,
-    plan: Plan,
-    program: RankProgram,
-    timeout: float | None,
-    payload: bytes | None = None,
-    extra_env: Mapping[str, str] | None = None,
-    paths: RunPaths | None = None,
-    warm: bool = False,
-    keep: KeptRanks | None = None,
-    display: str | None = None,
-    stall_warning: float | None = DEFAULT_STALL_WARNING_S,
-    open_gpu_sample: Callable[[], Callable | None] | None = None,
-) -> list[object]:
-    """Runs `program` on every rank of `plan`; returns the results in rank order
+def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: bool = False,
+        keep: KeptRanks | None = None, open_gpu_sample: Callable[[], Callable | None] | None = None) -> list[object]:
+    """Runs one attempt of the call in `paths`, its directory; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
 
-    `extra_env` is set in every rank on top of the caller's environment (fanrun's own
-    variables still win). `paths` is the run's directory where the caller made it already
-    (tracking reads the logs there afterwards), and stays the caller's to close; without it,
-    the run makes its own once the plan has passed its checks. `warm`: the ranks may be spares
-    started ahead of the call (backends/local/spares.py). `keep`: the ranks may be the ones this holder
-kept from the last call, and this call's are kept there if it ends well (keep_alive). `display`
-and `stall_warning`: how the ranks' output shows (output.OutputMux); `open_gpu_sample()`, where a
-panel shows, gives what samples the ranks' GPUs for it."""
-    preflight(plan)
+    `extra_env` is set in every rank on top of the caller's environment (fanrun's own variables
+    still win). `warm`: the ranks may be spares started ahead of the call (backends/local/spares.py).
+    `keep`: the ranks may be the ones this holder kept from the last call, and this call's are
+    kept there if it ends well (keep_alive). `open_gpu_sample()`, where a panel shows, gives what
+    samples the ranks' GPUs for it."""
+    plan = spec.plan
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
         no_gpu_notice_shown = True
@@ -66,49 +44,27 @@ panel shows, gives what samples the ranks' GPUs for it."""
     if plan.warning and plan.warning not in plan_warnings_shown:
         plan_warnings_shown.add(plan.warning)
         print(f"fanrun: {plan.warning}", file=sys.stderr, flush=True)
-    if paths is None:
-        with RunPaths.create(name) as own_paths:
-            return _run_in(own_paths, name, plan, program, timeout, payload, extra_env, warm, keep,
-                           (display, stall_warning, open_gpu_sample))
-    return _run_in(paths, name, plan, program, timeout, payload, extra_env, warm, keep,
-                   (display, stall_warning, open_gpu_sample))
-
-
-def _run_in(
-    paths: RunPaths,
-    name: str,
-    plan: Plan,
-    program: RankProgram,
-    timeout: float | None,
-    payload: bytes | None,
-    extra_env: Mapping[str, str] | None,
-    warm: bool,
-    keep: KeptRanks | None,
-    shown: tuple,
-) -> list[object]:
     ranks: Ranks | None = None
     try:
-        if payload is not None:
-            paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), payload)
+        if spec.payload is not None:
+            paths.write_payload(pickle.dumps({"sys_path": list(sys.path)}), spec.payload)
         logs = f"Logs: {paths.directory}"
-        display, stall_warning, open_gpu_sample = shown
-        mux = OutputMux(plan.world_size, display, _where(plan), stall_warning, open_gpu_sample=open_gpu_sample,
+        options = spec.options
+        mux = OutputMux(plan.world_size, options.display, _where(plan), options.stall_warning,
+                        open_gpu_sample=open_gpu_sample,
                         # The command first: a panel wrapped to its width keeps it on one row.
                         hints=(f"fanrun stacks {paths.run_id} (or fanrun.stacks() from another thread) shows "
                                f"every rank's stack without stopping it.\n{logs}", logs), run_dir=paths.directory)
         with SignalWakeup() as wakeup:
             # The first attempt unless extra_env says otherwise, whatever the caller's environment holds.
             first_attempt = {contract.ENV_RESTART_COUNT: "0", contract.ENV_MAX_RESTARTS: "0"}
-            launch = Launch(program=program, paths=paths,
-                            env={**os.environ, **first_attempt, **mux.rank_env, **(extra_env or {})},
-                            timeout=timeout,
-                            # A function's rank that ends without its result or its error has failed.
-                            expect_done=payload is not None, wakeup_fd=wakeup.read_fd, warm=warm, keep=keep,
-                            added=frozenset(extra_env or ()))
-            ranks = backends.for_plan(plan).start(plan, launch)
+            launch = Launch(call=spec, paths=paths,
+                            env={**os.environ, **first_attempt, **mux.rank_env, **extra_env},
+                            wakeup_fd=wakeup.read_fd, warm=warm, keep=keep, added=frozenset(extra_env))
+            ranks = backends.for_plan(plan).start(launch)
             mux.started()
             running_calls.add(paths, ranks, local=plan.backend == "local")
-            timeout_report = TimeoutReport(python=program.python)
+            timeout_report = TimeoutReport(python=spec.program.python)
             try:
                 _pump(ranks, mux, wakeup, timeout_report)
             except BaseException:
@@ -125,7 +81,8 @@ def _run_in(
                 running_calls.remove(paths)
                 mux.close()
         try:
-            results = collect(name, ranks, paths, mux, timeout_report, timeout, returns_values=payload is not None)
+            results = collect(spec.name, ranks, paths, mux, timeout_report, options.timeout,
+                              returns_values=spec.returns_values)
         except BaseException as error:
             failed = ranks.first_failed_rank if ranks.stop_reason == _core.StopReason.RANK_FAILED else None
             mux.finish(False, failed, _last_lines(error))

@@ -4,8 +4,10 @@ every rank, and the messages a rank sends the engine on its control channel.
 The engine's half is cpp/include/fanrun/run_contract.h, which fanrun._core hands over as its
 CONTROL_* constants and its EventKind, SegmentKind and StopReason enums;
 tests/test_run_contract.py holds the two halves equal. A rank's worker loads this file by
-path, before anything else: it imports nothing.
+path, before anything else: it imports the standard library alone.
 """
+
+import signal
 
 # In a run's directory (_spec/paths.py's RunPaths makes it).
 # The call, written by the caller: a pickled header (the caller's sys.path), then the pickled

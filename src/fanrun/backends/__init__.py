@@ -1,9 +1,10 @@
-"""Where a call's ranks run. Each backend starts the ranks of a plan (nodes x local ranks),
+"""Where a call's ranks run. Each backend starts the ranks of one attempt of a call (_spec's Launch),
 streams their output, reports their events and stops them, behind one interface (base.py);
 the launcher (fanrun._launch) drives any of them the same way.
 
-  local.py       this machine: the engine's supervisor, one keeper per rank
-  ray/           the nodes of a Ray cluster: one agent per node runs that node's ranks as local.py does
+  local/         this machine: the engine's supervisor, one keeper per rank, spare and kept ranks
+  ray/           the nodes of a Ray cluster: one agent per node runs that node's ranks as local/ does
+  metric_relay.py  the host's end of the ranks' metric stream, a socket server that knows nothing of MLflow
   rank_env.py    every rank's environment, for its place among the run's nodes
   stack_dump.py  why a rank cannot dump its stack at a timeout, read on its own machine
 """

@@ -1,5 +1,5 @@
-"""The interface between the launcher and a backend: what a backend is given to start a call's
-ranks (Launch), and what it hands back to follow and stop them (Ranks)."""
+"""The interface between the launcher and a backend: a backend is given one attempt of a call
+(_spec's Launch) and hands back its ranks (Ranks), to follow through their events and stop."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from .. import _core
-from .._accelerators import Plan
-from .._spec.paths import RunPaths
-from .._spec.program import RankProgram
-from .local.spares import KeptRanks
+from .._spec.spec import Launch
 
 # From SIGTERM to SIGKILL when the run stops early.
 KILL_GRACE_S = 5.0
@@ -22,25 +19,6 @@ STACK_DUMP_WAIT_S = 1.0
 
 # An event: (kind, rank, stream, segment, bytes, (exit code, signal)), as the engine reports it.
 Event = tuple[_core.EventKind, int, int, _core.SegmentKind, bytes, tuple[int, int]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """One call, as every backend gets it."""
-
-    program: RankProgram
-    paths: RunPaths  # the run's files: logs, payload, results, error files
-    env: Mapping[str, str]  # the caller's environment, with what the call adds (tracking)
-    timeout: float | None
-    expect_done: bool  # a function's ranks report "done" once their result is written
-    wakeup_fd: int  # a descriptor that a signal makes readable: wait() then returns "interrupted"
-    warm: bool = False  # ranks may be spare ones, started ahead (backends/local/spares.py), where the backend has them
-    # keep_alive: the ranks the function's last call kept, and where this call's ranks are kept
-    # once it ends well (backends/local/spares.py).
-    keep: KeptRanks | None = None
-    # The variables of `env` that the call sets itself (a workload's env_variables, tracking's):
-    # a cluster's ranks get them whatever their names.
-    added: frozenset[str] = frozenset()
 
 
 class Ranks(Protocol):
@@ -81,4 +59,4 @@ class Ranks(Protocol):
 class Backend(Protocol):
     name: str
 
-    def start(self, plan: Plan, launch: Launch) -> Ranks: ...
+    def start(self, launch: Launch) -> Ranks: ...

@@ -27,7 +27,8 @@ KEEPER = str(Path(__file__).parents[2] / "fanrun-keeper")
 class LocalBackend:
     name = "local"
 
-    def start(self, plan: Plan, launch: Launch) -> LocalRanks:
+    def start(self, launch: Launch) -> LocalRanks:
+        plan = launch.plan
         rendezvous = Rendezvous(host_store=launch.program.python)
         keep = launch.keep if launch.expect_done else None  # a function's ranks alone take further calls
         try:

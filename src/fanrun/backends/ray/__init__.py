@@ -68,7 +68,8 @@ def plan(num_accelerators: int | None, request: AcceleratorRequest | None, nodes
 class RayBackend:
     name = "ray"
 
-    def start(self, plan: Plan, launch: Launch) -> RayRanks:
+    def start(self, launch: Launch) -> RayRanks:
+        plan = launch.plan
         ray = connect.import_ray()
         per_node = plan.world_size // plan.nodes
         group = placement.place(ray, plan.nodes, per_node, plan.use_gpus, plan.placement_timeout_s)

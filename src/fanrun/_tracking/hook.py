@@ -1,0 +1,40 @@
+"""Tracking as the call path (_launch/call.py) plugs it in: one context around the whole call, one
+around each attempt, and the GPU samples the live panel shows. The rest of _tracking stays
+behind these three."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from .._spec.spec import CallSpec
+from . import caller, system_metrics
+
+
+@contextlib.contextmanager
+def call(spec: CallSpec) -> Iterator[caller.Submission | None]:
+    """The MLflow run of a call that may restart, the parent of each attempt's; None without one."""
+    with caller.track_submission(function_name=spec.name, plan=spec.plan, options=spec.options) as submission:
+        yield submission
+
+
+@contextlib.contextmanager
+def attempt(spec: CallSpec, submission: caller.Submission | None, gpu_indices: list[int]) -> Iterator[caller.TrackedCall]:
+    """One attempt's MLflow run: what its ranks need (rank_env), and the attempt's directory once
+    it is made (.paths), from which the ranks' logs are uploaded."""
+    with caller.track(function_name=spec.name, plan=spec.plan, gpu_indices=gpu_indices, options=spec.options,
+                      submission=submission) as tracked:
+        yield tracked
+
+
+def gpu_sampler(nvml_indices: list[int]) -> Callable[[], Callable | None] | None:
+    """What the live panel shows of each rank's GPU: opens NVML's utilisation and memory samples
+    in this process, where a panel shows; None without GPUs."""
+    if not nvml_indices:
+        return None
+
+    def open_sample():
+        reader = system_metrics.GpuReader.open(nvml_indices)
+        return reader.per_gpu if reader is not None else None
+
+    return open_sample
