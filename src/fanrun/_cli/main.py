@@ -1,61 +1,25 @@
-"""`fanrun run`: the same engine for scripts, modules and native programs, like torchrun; `fanrun ui`:
-MLflow's UI for the runs of tracked calls; `fanrun list|logs|attach|cancel`: detached runs (_cli/runs.py)."""
+"""The command line: `fanrun run` (run.py), `submit` (submit.py), `list`, `logs`, `attach`, `cancel`
+(runs.py), `stacks` (stacks.py) and `ui` (ui.py), one module per command, each with its parser
+and its main."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 
-from .. import __version__, _accelerators
-from .._errors import RankFailedError, RemoteTraceback, RunTimeoutError, StacksError
-from .._launch import call
-from .._spec.program import RankProgram
-from .._spec.spec import DEFAULT_TIMEOUT_S, Options
-from . import runs as _cli_runs, torchrun_flags as _cli_torchrun
+from .. import __version__
+from . import run, runs, stacks, submit, ui
+
+_COMMANDS = {"run": run, "submit": submit, "stacks": stacks, "ui": ui, **{name: runs for name in runs.COMMANDS}}
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fanrun", description="Run a program on every accelerator of this machine.")
     parser.add_argument("--version", action="version", version=f"fanrun {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser(
-        "run",
-        help="run a script, a module or a program once per rank",
-        description="Runs SCRIPT (or -m MODULE, or a program with --no-python) once per rank, "
-        "with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). "
-        "torchrun's own flags are understood: --nproc-per-node is -n, --standalone is what fanrun always does, "
-        "and a flag that does not apply on one machine is refused with what to use instead.",
-    )
-    run.add_argument("-n", "--num-accelerators", "--nproc-per-node", "--nproc_per_node", default=None, metavar="N",
-                     help="ranks to start: a number, or gpu (one per GPU), cpu (one per core), auto "
-                     "(default: every GPU, or %d CPU processes)" % _accelerators.DEFAULT_CPU_RANKS)
-    run.add_argument("--accelerator-type", default=None, metavar="TYPE",
-                     help="the machine type to expect, such as GPU_8xH100, or CPU to run CPU processes")
-    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                     help="seconds before every rank is stopped (default: 3 hours; 0: none)")
-    kind = run.add_mutually_exclusive_group()
-    kind.add_argument("-m", "--module", action="store_true", help="run TARGET as a module, like python -m")
-    kind.add_argument("--no-python", "--no_python", action="store_true", help="run TARGET as a program, not a Python script")
-    run.add_argument("target", metavar="TARGET", help="script.py, a module name with -m, or a program with --no-python")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
-    _cli_torchrun.add_flags(run)
-    ui = commands.add_parser(
-        "ui",
-        help="open the MLflow runs of tracked calls in MLflow's UI, on 127.0.0.1",
-        description="Serves MLflow's UI for fanrun's own store (or --backend-store-uri) on 127.0.0.1 until Ctrl+C; "
-        "meanwhile each tracked call's line links to its run there.",
-    )
-    ui.add_argument("--backend-store-uri", default=None, metavar="URI",
-                    help="a local MLflow store to show instead of fanrun's own (see docs/tracking.md)")
-    ui.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: 5000 if free)")
-    stacks = commands.add_parser(
-        "stacks", help="print where every rank of a running call is, without stopping it",
-        description="Makes every rank of the running call RUN dump the stacks of its threads (faulthandler) into "
-        "its log, and prints them. RUN is the id the call's panel shows (its folder under fanrun's runs directory).")
-    stacks.add_argument("run", metavar="RUN", help="the run's id")
-    _cli_runs.add_commands(commands)
+    for module in (run, ui, stacks, submit, runs):
+        module.add_parser(commands)
     return parser
 
 
@@ -63,65 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     # A scheduler's SIGTERM stops the ranks the same way as Ctrl+C does.
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    if options.command in _cli_runs.COMMANDS:
-        return _cli_runs.main(options)
-    if options.command == "stacks":
-        from .._launch import stacks
-        from .._display.terminal_text import printable
-
-        try:
-            print(printable(str(stacks.of_run(options.run))))  # a rank's log: its escape sequences stay there
-        except StacksError as error:
-            print(f"fanrun: {printable(str(error), keep='')}", file=sys.stderr)
-            return 2
-        return 0
-    if options.command == "ui":
-        from .._tracking import ui
-
-        return ui.main(options.backend_store_uri, options.port)
-    try:
-        _cli_torchrun.check_flags(options)
-        count, cpu = (None, False) if options.num_accelerators is None else _cli_torchrun.nproc_per_node(options.num_accelerators)
-        if count is not None and count < 1:
-            raise ValueError(f"-n must be at least 1, not {count}")
-        accelerator_type = "CPU" if cpu and options.accelerator_type is None else options.accelerator_type
-        asked = Options(num_accelerators=count, accelerator=_accelerators.parse_accelerator_type(accelerator_type),
-                        timeout=options.timeout if options.timeout and options.timeout > 0 else None,
-                        # The ranks' MLflow is the caller's environment's, as under torchrun.
-                        leave_mlflow_alone=True,
-                        max_restarts=_cli_torchrun.max_restarts(options))
-        if not options.no_python and not options.module and not os.path.isfile(options.target):
-            raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
-                                    f"use -m for a module, or --no-python for a program")
-        if options.no_python:
-            program = RankProgram.native([options.target, *options.args])
-        else:
-            program = RankProgram.script(options.target, options.args, module=options.module)
-        call.run(call.plan(options.target.rsplit("/", 1)[-1], asked, program))
-        return 0
-    except KeyboardInterrupt:
-        print("fanrun: interrupted; every rank was stopped", file=sys.stderr)
-        return 130
-    except SystemExit as stop:  # SIGTERM, after the ranks were stopped
-        return stop.code if isinstance(stop.code, int) else 1
-    except RunTimeoutError as error:
-        print(f"fanrun: {error}", file=sys.stderr)
-        return 124
-    except RankFailedError as error:
-        print(f"fanrun: {error}", file=sys.stderr)
-        if error.signal_name in signal.Signals.__members__:
-            return 128 + signal.Signals[error.signal_name]  # as a shell reports a command killed by a signal
-        return error.exit_code if isinstance(error.exit_code, int) and error.exit_code > 0 else 1
-    except Exception as error:
-        # A rank's own exception, shown here once with its traceback, or bad input.
-        remote = error.__cause__ if isinstance(error.__cause__, RemoteTraceback) else None
-        if remote is not None:
-            print(str(remote).strip(), file=sys.stderr)
-        origin = "a rank failed: " if remote is not None else ""
-        print(f"fanrun: {origin}{type(error).__name__}: {error}", file=sys.stderr)
-        for note in getattr(error, "__notes__", []):
-            print(note, file=sys.stderr)
-        return 1
+    return _COMMANDS[options.command].main(options)
 
 
 def _raise_system_exit(signo: int, frame: object) -> None:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from typing import Protocol
 
 from .. import _core

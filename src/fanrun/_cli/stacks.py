@@ -1,0 +1,28 @@
+"""`fanrun stacks RUN`: where every rank of a running call is, without stopping it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .._errors import StacksError
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    stacks = commands.add_parser(
+        "stacks", help="print where every rank of a running call is, without stopping it",
+        description="Makes every rank of the running call RUN dump the stacks of its threads (faulthandler) into "
+        "its log, and prints them. RUN is the id the call's panel shows (its folder under fanrun's runs directory).")
+    stacks.add_argument("run", metavar="RUN", help="the run's id")
+
+
+def main(options: argparse.Namespace) -> int:
+    from .._launch import stacks
+    from .._display.terminal_text import printable
+
+    try:
+        print(printable(str(stacks.of_run(options.run))))  # a rank's log: its escape sequences stay there
+    except StacksError as error:
+        print(f"fanrun: {printable(str(error), keep='')}", file=sys.stderr)
+        return 2
+    return 0
