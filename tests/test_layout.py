@@ -84,27 +84,42 @@ def test_every_exception_is_public_and_made_to_happen_by_a_test():
         assert name in tests, f"no test makes {name} happen"
 
 
-# docs/layout.md's table "What may import what": for each folder, the modules it never imports,
-# anywhere in a file; a rank's files also import no third-party package at their top.
+# docs/layout.md's table "What may import what", from every file's imports (TYPE_CHECKING's and
+# those inside functions included): for each folder, the parts of fanrun it never imports.
 SRC = Path(__file__).resolve().parents[1] / "src" / "fanrun"
+FACE = ("fanrun._decorator", "fanrun._torch_distributor", "fanrun._warmup")
 NEVER = {
     "_rank": ("fanrun",),
-    "data": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._decorator", "fanrun._detached"),
-    "backends": ("fanrun._launch.run", "fanrun._tracking", "fanrun._decorator", "fanrun._detached"),
-    "_launch": ("fanrun._tracking", "fanrun._decorator", "fanrun._detached"),
-    "_tracking": ("fanrun._launch.run", "fanrun.backends", "fanrun._decorator", "fanrun._detached"),
+    "data": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._display", "fanrun._detached",
+             "fanrun._spec", "fanrun._cli", *FACE),
+    "_spec": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._display", "fanrun._detached",
+              "fanrun._cli", "fanrun.data", *FACE),
+    "backends": ("fanrun._launch", "fanrun._tracking", "fanrun._display", "fanrun._detached", "fanrun._cli",
+                 "fanrun.data", *FACE),
+    "_display": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._detached", "fanrun._cli",
+                 "fanrun.data", *FACE),
+    "_tracking": ("fanrun._launch", "fanrun._display", "fanrun._detached", "fanrun._cli", "fanrun.data", *FACE),
+    "_launch": ("fanrun._detached", "fanrun._cli", "fanrun.data", *FACE),
+    "_detached": ("fanrun._cli", *FACE),
 }
-# The one exception: a cluster's node agent serves its ranks' metric socket with the relay's own
-# code, which is a socket server that knows nothing of MLflow.
-ALLOWED = {"backends": ("fanrun.backends.metric_relay",)}
+# What a folder may import although a rule above names it: the rank contract, which every side
+# shares; tracking's one hook into the call path.
+ALLOWED = {"data": ("fanrun._rank",), "_spec": ("fanrun._rank",), "backends": ("fanrun._rank",),
+           "_display": ("fanrun._rank",)}
 # data/ imports mlflow only inside a tracked call, to log the loader's figures on its run.
 NEVER_AT_THE_TOP = {"_rank": ("torch", "mlflow", "cloudpickle", "numpy"), "data": ("mlflow",)}
+
+
+def module_name(path: Path) -> str:
+    return ".".join(("fanrun", *path.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
 
 
 def imported_modules(path: Path, top_only: bool = False) -> set[str]:
     """The modules a file imports (those of its top level alone with top_only), relative
     imports resolved to fanrun's own names."""
-    package = ".".join(("fanrun", *path.relative_to(SRC).parent.parts)).split(".")
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     tree = ast.parse(path.read_text())
     names = set()
     for node in tree.body if top_only else ast.walk(tree):
@@ -119,16 +134,85 @@ def imported_modules(path: Path, top_only: bool = False) -> set[str]:
     return names
 
 
+def fanrun_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of fanrun's that a file imports: `from . import x` names module x, `from .x
+    import name` module x, and a package only where a name of its own is imported from it."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    found.add(f"{base}.{alias.name}")
+                elif base in modules:
+                    found.add(base)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(path): path for path in SRC.rglob("*.py")}
+    modules = set(files) | {"fanrun._core"}
+    return {name: fanrun_imports(path, modules) - {name} for name, path in files.items()}
+
+
+def test_no_import_cycle_among_fanruns_modules():
+    """Not through a function-level import either: each module's imports, lazy ones included,
+    lead only downwards."""
+    graph = import_graph()
+    cycles, state = [], {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = "open"
+        for imported in sorted(graph.get(name, ())):
+            if state.get(imported) == "open":
+                cycles.append(" -> ".join(trail[trail.index(imported):] + [name, imported]) if imported in trail
+                              else f"{name} -> {imported}")
+            elif imported not in state:
+                visit(imported, trail + [name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert cycles == []
+
+
+def test_the_graph_sees_lazy_imports():
+    """The test above can fail: the decorator's detach=True imports _detached inside a function."""
+    assert "fanrun._detached.run" in import_graph()["fanrun._decorator"]
+
+
 @pytest.mark.parametrize("folder", sorted(NEVER))
 def test_each_folder_imports_only_what_the_layout_allows(folder):
     broken = {}
     for path in sorted((SRC / folder).rglob("*.py")):
         found = {name for name in imported_modules(path)
-                 if name.startswith(NEVER[folder]) and not name.startswith(ALLOWED.get(folder, ("-",)))}
+                 if name.startswith(NEVER[folder]) and not name.startswith(ALLOWED.get(folder, ("-",)))
+                 and name.startswith("fanrun")}
         found |= {name for name in imported_modules(path, top_only=True) if name.startswith(NEVER_AT_THE_TOP.get(folder, ()))}
         if found:
             broken[str(path.relative_to(SRC))] = sorted(found)
     assert broken == {}
+
+
+def test_only_the_call_path_starts_ranks():
+    """Every door goes through _launch/call.py: it alone runs an attempt (_launch/run.py), and
+    run.py alone asks a backend to start ranks (backends.for_plan)."""
+    graph = import_graph()
+    assert {name for name, imported in graph.items() if "fanrun._launch.run" in imported} == {"fanrun._launch.call"}
+    asking = {str(path.relative_to(SRC)) for path in SRC.rglob("*.py")
+              if any(isinstance(node, ast.Attribute) and node.attr == "for_plan" for node in ast.walk(ast.parse(path.read_text())))}
+    assert asking == {"_launch/run.py"}
+    doors = ["_decorator.py", "_torch_distributor.py", "_cli/run.py", "_detached/runner.py", "_detached/ray_driver.py"]
+    for door in doors:
+        assert "fanrun._launch.call" in graph[module_name(SRC / door)], door
 
 
 def test_ray_is_imported_by_the_ray_backend_alone_and_only_when_a_call_uses_it():

@@ -31,7 +31,7 @@ from ._errors import UnknownRunError as UnknownRunError
 from ._errors import UnsafePathError as UnsafePathError
 from ._errors import WorkingDirectoryError as WorkingDirectoryError
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 # The call machinery (the decorator, the launcher, tracking) is loaded when first named, so that
 # what runs inside a rank (`import fanrun.data`) loads none of it.

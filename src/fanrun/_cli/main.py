@@ -8,7 +8,7 @@ import argparse
 import signal
 import sys
 
-from .. import __version__
+from .._version import __version__
 from . import run, runs, stacks, submit, ui
 
 _COMMANDS = {"run": run, "submit": submit, "stacks": stacks, "ui": ui, **{name: runs for name in runs.COMMANDS}}

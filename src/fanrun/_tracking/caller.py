@@ -383,7 +383,7 @@ def _in_fanrun_store(mlflow, active) -> bool:
 
 
 def _parameters(function_name: str, plan: Plan, options: Any) -> dict[str, str]:
-    from .. import __version__
+    from .._version import __version__
 
     return {
         "fanrun.function": function_name,

@@ -28,8 +28,11 @@ from .. import stack_dump
 from ..base import KILL_GRACE_S, STACK_DUMP_WAIT_S
 from ..local import KEEPER
 from ..rank_env import NodeLayout, flatten, rank_environment
-from .placement import AGENT_ENV
 from .versions import installed_versions
+
+# A Ray worker that exits SIGKILLs its child processes, here the ranks' keepers, which then
+# cannot end what the ranks started. Left alone, each keeper sees its agent go and ends all of it.
+AGENT_ENV = {"RAY_kill_child_processes_on_worker_exit": "0"}
 
 # The most of a rank's log that goes back to the caller at the end: beyond it, the log's tail,
 # and the node keeps the whole of it.

@@ -10,9 +10,6 @@ from ..._errors import ClusterResourcesError
 
 # An agent runs several methods at once: next_batch waits for news while cancel or publish come.
 AGENT_CONCURRENCY = 8
-# A Ray worker that exits SIGKILLs its child processes, here the ranks' keepers, which then
-# cannot end what the ranks started. Left alone, each keeper sees its agent go and ends all of it.
-AGENT_ENV = {"RAY_kill_child_processes_on_worker_exit": "0"}
 
 
 def bundle(ranks_per_node: int, use_gpus: bool) -> dict[str, float]:
@@ -40,7 +37,7 @@ def start_agents(ray, group, nodes: int, ranks_per_node: int, use_gpus: bool) ->
     """One NodeAgent per bundle: agent i runs node i's ranks, with the bundle's resources."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from .node_agent import NodeAgent
+    from .node_agent import AGENT_ENV, NodeAgent
 
     agent_class = ray.remote(NodeAgent)
     resources = {"num_gpus": ranks_per_node, "num_cpus": 0} if use_gpus else {"num_cpus": ranks_per_node}
