@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -226,3 +227,18 @@ def test_ray_is_imported_by_the_ray_backend_alone_and_only_when_a_call_uses_it()
         if found:
             broken[str(path.relative_to(SRC))] = sorted(found)
     assert broken == {}
+
+
+def test_docs_layout_names_every_module_and_nothing_that_is_gone():
+    """docs/layout.md's tree matches the source: each module of fanrun's is named there (as its
+    file's name, or its folder's path with it), and each file it names exists."""
+    page = (SRC.parents[1] / "docs" / "layout.md").read_text()
+    tree = page.split("```", 2)[1]
+    named = set(re.findall(r"[A-Za-z0-9_/]+\.(?:py|sh|cc|h)\b", tree))
+    files = [path.relative_to(SRC) for path in SRC.rglob("*.py") if path.name not in ("__init__.py", "__main__.py")]
+    unnamed = [str(path) for path in files if path.name not in {name.rsplit("/", 1)[-1] for name in named}]
+    assert unnamed == []
+    repository = SRC.parents[1]
+    every = {path.name for root in ("src", "cpp", "packaging") for path in (repository / root).rglob("*")}
+    gone = sorted(name for name in named if name.rsplit("/", 1)[-1] not in every)
+    assert gone == []
