@@ -172,6 +172,47 @@ def hang(timeout: float, steps: int) -> str:
     return "no error (unexpected)"
 
 
+# Holds GPU 0's lock, as a call running on it does, until its stdin closes.
+LOCK_HOLDER = """
+import sys
+from fanrun._accelerators import detect
+from fanrun._launch import gpu_locks
+with gpu_locks.hold(detect().visible[:1], holder="'another call'", on_busy=print):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+HOLD_S = 3.0
+
+
+def torch_distributor_file_waits_for_a_held_gpu() -> str:
+    """TorchDistributor.run("x.py") goes through the one call path: it takes the GPU's lock, so it
+    waits while another call holds it, and says who holds it."""
+    import contextlib
+    import io
+    import tempfile
+    import threading
+
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "train.py"
+        script.write_text("import os, torch\nprint('rank', os.environ['RANK'], 'sees', torch.cuda.device_count(), 'GPU')\n")
+        holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            if holder.stdout.readline() != "held\n":
+                return "the holder did not take the lock (unexpected)"
+            threading.Timer(HOLD_S, holder.stdin.close).start()
+            said = io.StringIO()
+            started = time.monotonic()
+            with contextlib.redirect_stderr(said):
+                fanrun.TorchDistributor(num_processes=1, use_gpu=True).run(str(script))
+            waited = time.monotonic() - started
+        finally:
+            holder.wait(timeout=30)
+    told = [line for line in said.getvalue().splitlines() if "another call" in line]
+    if waited < HOLD_S or not told:
+        return f"did not wait for the held GPU (unexpected): {waited:.2f} s, told {told}"
+    return f"waited {waited:.2f} s while another process held GPU 0, told: {told[0]!r}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # One rank per GPU; on CPU (--smoke) two processes. The rank that fails is the last one.
@@ -199,6 +240,8 @@ def main() -> None:
     scenario(f"rank {args.raise_rank} raises mid-training", failing("raise", args.raise_rank, RuntimeError, steps))
     scenario(f"rank {args.kill_rank} is SIGKILLed mid-training",
              failing("sigkill", args.kill_rank, fanrun.RankFailedError, steps))
+    if ON_GPU:
+        scenario("TorchDistributor's .py file waits for a GPU another call holds", torch_distributor_file_waits_for_a_held_gpu)
     if ranks > 1:
         scenario(f"rank 1 hangs, rank 0 waits in {backend} (timeout={timeout:g} s)", hung_collective(timeout, steps))
     else:
