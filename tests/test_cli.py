@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from processes import wait_gone
+
 FANRUN = [sys.executable, "-m", "fanrun"]
 
 
@@ -153,7 +155,132 @@ def test_max_restarts_starts_every_rank_again_as_torchrun_does(tmp_path):
     assert sorted(done.stdout.splitlines()) == ["[rank0]: attempt 0 0 2", "[rank0]: attempt 1 1 2",
                                                 "[rank1]: attempt 0 0 2", "[rank1]: attempt 1 1 2"]
     assert done.stderr.count("; starting every rank again") == 1, done.stderr
+    assert "fanrun: attempt 1 of 3 failed (" in done.stderr, done.stderr
     # Every restart spent: the last attempt's failure is the run's.
     done = run(["run", "-n", "2", "--max_restarts=1", "flaky.py", "5"], cwd=tmp_path)
     assert done.returncode == 3, done.stderr
     assert done.stdout.count("[rank1]: attempt") == 2 and "attempt 1 of 2 failed" in done.stderr
+    # No restart asked for: the first failure is the run's, as torchrun's default.
+    done = run(["run", "-n", "2", "--max-restarts", "0", "flaky.py", "1"], cwd=tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[rank0]: attempt 0 0 0", "[rank1]: attempt 0 0 0"]
+    assert "starting every rank again" not in done.stderr and "called sys.exit(3)" in done.stderr
+
+
+GATED = """
+import os, sys, time
+from pathlib import Path
+
+while not Path(sys.argv[1]).exists():  # until the test has seen `fanrun run --detach` return
+    time.sleep(0.02)
+print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], flush=True)
+if len(sys.argv) > 2 and os.environ["RANK"] == "1":
+    raise ValueError(sys.argv[2])
+"""
+
+
+def runner_pid(run_id: str) -> int:
+    from fanrun._detached import store
+
+    return store.read_json(store.find(run_id), store.RUNNER)["pid"]
+
+
+def test_run_detach_goes_on_by_itself_and_attach_logs_and_list_show_it(tmp_path):
+    (tmp_path / "gated.py").write_text(GATED)
+    gate = tmp_path / "gate"
+    done = run(["run", "-n", "2", "--detach", "gated.py", str(gate)], cwd=tmp_path)
+    # The ranks wait for the gate: the command has returned while the run goes on.
+    assert done.returncode == 0, done.stderr
+    run_id = done.stdout.strip()
+    assert done.stdout == run_id + "\n" and run_id.startswith("gated.py-"), done.stdout
+    listed = run(["list"])
+    assert [run_id, "RUNNING"] in [line.split()[:2] for line in listed.stdout.splitlines()] or \
+        [run_id, "QUEUED"] in [line.split()[:2] for line in listed.stdout.splitlines()], listed.stdout
+    gate.touch()
+    attached = run(["attach", run_id])
+    assert attached.returncode == 0, attached.stderr
+    assert sorted(line for line in attached.stdout.splitlines() if line.startswith("[rank")) == [
+        "[rank0]: rank 0 of 2", "[rank1]: rank 1 of 2"]
+    assert f"fanrun: run {run_id} FINISHED" in attached.stderr
+    logs = run(["logs", run_id])
+    assert "[rank1]: rank 1 of 2" in logs.stdout
+    assert run(["logs", run_id, "--rank", "1"]).stdout == "rank 1 of 2\n"
+    listed = run(["list", "--all"])
+    assert [run_id, "FINISHED"] in [line.split()[:2] for line in listed.stdout.splitlines()], listed.stdout
+    assert wait_gone([runner_pid(run_id)], timeout=10) == []
+
+
+def test_run_detach_watch_follows_a_failing_run_to_its_reason(tmp_path):
+    (tmp_path / "gated.py").write_text(GATED)
+    (tmp_path / "gate").touch()
+    done = run(["run", "-n", "2", "--detach", "--watch", "--max-restarts", "1", "gated.py", "gate", "rank one gave up"],
+               cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    run_id = done.stdout.splitlines()[0]
+    assert "[rank0]: rank 0 of 2" in done.stdout
+    # Its restart went on in the run's own process, and said so there.
+    assert "attempt 1 of 2 failed (ValueError: [rank 1] rank one gave up)" in done.stdout + done.stderr
+    reason = "FAILED: ValueError: [rank 1] rank one gave up"
+    assert f"fanrun: run {run_id} {reason}" in done.stderr, done.stderr
+    attached = run(["attach", run_id])
+    assert attached.returncode == 1 and f"fanrun: run {run_id} {reason}" in attached.stderr, attached.stderr
+    listed = run(["list", "--all"])
+    assert [run_id, "FAILED"] in [line.split()[:2] for line in listed.stdout.splitlines()], listed.stdout
+    assert wait_gone([runner_pid(run_id)], timeout=10) == []
+
+
+SAYS = "import os\nprint('said by rank', os.environ['RANK'], flush=True)\n"
+
+
+def test_display_quiet_shows_no_rank_line_and_the_logs_keep_them(tmp_path, runs_dir):
+    (tmp_path / "quiet_ranks.py").write_text(SAYS)
+    before = set(os.listdir(runs_dir))
+    done = run(["run", "-n", "2", "--display", "quiet", "quiet_ranks.py"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "" and "said by rank" not in done.stderr, (done.stdout, done.stderr)
+    [made] = [name for name in set(os.listdir(runs_dir)) - before if "-quiet_ranks.py-" in name]
+    for rank in (0, 1):
+        assert (runs_dir / made / f"rank_{rank}.log").read_text() == f"said by rank {rank}\n"
+
+
+def test_display_logs_labels_every_line_whatever_fanrun_display_says(tmp_path):
+    (tmp_path / "says.py").write_text(SAYS)
+    quiet_by_default = {**os.environ, "FANRUN_DISPLAY": "quiet"}
+    for flags in (["--display", "logs"],
+                  # A panel cannot be redrawn in a pipe: there it is the labelled lines.
+                  ["--display", "panel", "--stall-warning", "30"]):
+        done = subprocess.run(FANRUN + ["run", "-n", "2", *flags, "says.py"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120, env=quiet_by_default)
+        assert done.returncode == 0, (flags, done.stderr)
+        assert sorted(done.stdout.splitlines()) == ["[rank0]: said by rank 0", "[rank1]: said by rank 1"], flags
+
+
+def test_flags_that_go_together_badly_are_refused_before_anything_starts(tmp_path, runs_dir):
+    from fanrun._detached import store
+
+    (tmp_path / "says.py").write_text(SAYS)
+    cases = {
+        ("--watch",): "--watch follows a detached run; without --detach",
+        ("--detach", "--display", "panel"): "--display panel redraws its rows in this terminal, which a detached run "
+                                            "does not have",
+        ("--stall-warning", "30"): "--stall-warning flags a quiet rank in the live panel, and this run shows none",
+        ("--detach", "--stall-warning", "30"): "add --display panel, or drop --stall-warning",
+        ("--display", "fancy"): "--display must be 'panel', 'logs', 'quiet' or none (the panel in a notebook, logs "
+                                "elsewhere), not 'fancy'",
+        ("--display", "panel", "--stall-warning", "soon"): "--stall-warning must be a positive number of seconds, or "
+                                                           "none to never flag a quiet rank, not 'soon'",
+        ("--display", "panel", "--stall-warning", "-5"): "--stall-warning must be a positive number of seconds",
+        ("--experiment-name", " "): "--experiment-name must be a name, not ' '",
+        # The tests' environment has FANRUN_TRACKING=0 (conftest.py).
+        ("--tracking",): "--tracking asks for an MLflow run, but FANRUN_TRACKING turns tracking off",
+        ("--detach", "--run-name", "first"): "--run-name asks for an MLflow run, but FANRUN_TRACKING turns",
+    }
+    before, detached_before = set(os.listdir(runs_dir)), store.all_runs()
+    for flags, expected in cases.items():
+        done = run(["run", "-n", "2", *flags, "says.py"], cwd=tmp_path)
+        assert done.returncode == 1 and expected in done.stderr, (flags, done.stderr)
+        assert done.stdout == "", flags
+    assert set(os.listdir(runs_dir)) == before and store.all_runs() == detached_before  # nothing was made
+    # A panel's stall warning of none: never flagged, and accepted.
+    done = run(["run", "-n", "2", "--display", "panel", "--stall-warning", "none", "says.py"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr

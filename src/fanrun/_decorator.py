@@ -14,8 +14,9 @@ from . import _accelerators, _errors
 from ._caller_frames import raised_from_the_caller
 from ._launch import call
 from ._spec import payload as _payload
+from ._spec.display import check_display
 from ._spec.program import RankProgram
-from ._spec.spec import DEFAULT_STALL_WARNING_S, DEFAULT_TIMEOUT_S, DISPLAYS, Options
+from ._spec.spec import DEFAULT_STALL_WARNING_S, DEFAULT_TIMEOUT_S, Options
 from ._tracking import caller as call_tracking
 from .backends.local import spares
 
@@ -160,7 +161,7 @@ def distributed(
         keep_alive=keep_alive,
         detach=detach,
         max_restarts=_check_restarts(max_restarts),
-        **_check_display(display, stall_warning),
+        **check_display(display, stall_warning),
     )
     if keep_alive and (options.backend == "ray" or (options.nodes or 1) > 1):
         raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; ranks on a Ray "
@@ -207,17 +208,6 @@ def _check_count(value: Any) -> int | None:
         machine = _accelerators.detect().describe()
         raise ValueError(f"num_accelerators must be at least 1, not {value}; this machine has {machine}")
     return int(value)
-
-
-def _check_display(display: Any, stall_warning: Any) -> dict[str, Any]:
-    if display is not None and display not in DISPLAYS:
-        raise ValueError(f"display must be 'panel', 'logs', 'quiet' or None (the panel in a notebook, logs "
-                         f"elsewhere), not {display!r}")
-    if stall_warning is not None and (isinstance(stall_warning, bool) or not isinstance(stall_warning, numbers.Real)
-                                      or not stall_warning > 0 or math.isinf(stall_warning)):
-        raise ValueError(f"stall_warning must be a positive number of seconds, or None to never flag a quiet rank, "
-                         f"not {stall_warning!r}")
-    return {"display": display, "stall_warning": None if stall_warning is None else float(stall_warning)}
 
 
 def _check_restarts(value: Any) -> int:

@@ -13,7 +13,7 @@ from .._errors import RankFailedError, RemoteTraceback, RunTimeoutError
 from .._launch import call
 from .._spec.program import RankProgram
 from .._spec.spec import DEFAULT_TIMEOUT_S, Options
-from . import torchrun_flags
+from . import run_flags, runs, torchrun_flags
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -38,20 +38,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("target", metavar="TARGET", help="script.py, a module name with -m, or a program with --no-python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
     torchrun_flags.add_flags(run)
+    run_flags.add_flags(run)
 
 
 def main(options: argparse.Namespace) -> int:
     try:
         torchrun_flags.check_flags(options)
+        run_flags.check_combinations(options)
         count, cpu = (None, False) if options.num_accelerators is None else torchrun_flags.nproc_per_node(options.num_accelerators)
         if count is not None and count < 1:
             raise ValueError(f"-n must be at least 1, not {count}")
         accelerator_type = "CPU" if cpu and options.accelerator_type is None else options.accelerator_type
         asked = Options(num_accelerators=count, accelerator=_accelerators.parse_accelerator_type(accelerator_type),
                         timeout=options.timeout if options.timeout and options.timeout > 0 else None,
-                        # The ranks' MLflow is the caller's environment's, as under torchrun.
-                        leave_mlflow_alone=True,
-                        max_restarts=torchrun_flags.max_restarts(options))
+                        max_restarts=torchrun_flags.max_restarts(options), detach=options.detach,
+                        **run_flags.display(options), **run_flags.tracking(options))
         if not options.no_python and not options.module and not os.path.isfile(options.target):
             raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
                                     f"use -m for a module, or --no-python for a program")
@@ -59,7 +60,12 @@ def main(options: argparse.Namespace) -> int:
             program = RankProgram.native([options.target, *options.args])
         else:
             program = RankProgram.script(options.target, options.args, module=options.module)
-        call.run(call.plan(options.target.rsplit("/", 1)[-1], asked, program))
+        spec = call.plan(options.target.rsplit("/", 1)[-1], asked, program)
+        if options.detach:
+            from .._detached import run as detached
+
+            return runs.started(detached.start(spec), watch=options.watch)
+        call.run(spec)
         return 0
     except KeyboardInterrupt:
         print("fanrun: interrupted; every rank was stopped", file=sys.stderr)

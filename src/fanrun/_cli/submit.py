@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from .runs import EXIT_STATUS, reason
+from .runs import started
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -44,7 +44,7 @@ def main(options: argparse.Namespace) -> int:
               f"timeout {'none' if workload.options.timeout is None else f'{workload.options.timeout:g} s'}")
         return 0
     run = runs.submit(spec, cwd=_folder(options), idempotency_key=options.idempotency_key)
-    return _started(run, options)
+    return started(run, watch=options.watch)
 
 
 def _submit_to_ray(workload, options: argparse.Namespace) -> int:
@@ -74,19 +74,10 @@ def _submit_to_ray(workload, options: argparse.Namespace) -> int:
     except FanrunError as error:
         print(f"fanrun: {error}", file=sys.stderr)
         return 1
-    return _started(run, options)
+    return started(run, watch=options.watch)
 
 
 def _folder(options: argparse.Namespace) -> str:
     """Where the workload runs: its file's folder, from which its relative paths are read."""
     return os.path.dirname(os.path.abspath(options.workload))
 
-
-def _started(run, options: argparse.Namespace) -> int:
-    print(run.id, flush=True)
-    if not options.watch:
-        return 0
-    run.logs(follow=True)
-    status = run.wait()
-    print(f"fanrun: run {run.id} {status}{reason(run)}", file=sys.stderr)
-    return EXIT_STATUS.get(status, 1)

@@ -1,0 +1,89 @@
+"""`fanrun run`'s flags for what the decorator's arguments ask of a function's call: how the output
+shows (--display, --stall-warning), a run that goes on by itself (--detach, --watch), and an MLflow
+run for the ranks (--tracking, --experiment-name, --run-name). Each combination that cannot be
+honoured is refused here, before anything starts, with what to do instead."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Any
+
+from .._display.output import default_display
+from .._spec.display import FLAGS, check_display
+from .._spec.spec import DEFAULT_STALL_WARNING_S
+from .._tracking.caller import enabled as tracking_enabled
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    shown = parser.add_argument_group("output")
+    shown.add_argument("--display", default=None, metavar="HOW",
+                       help="how the ranks' output shows: panel, one live row per rank, redrawn in this terminal; "
+                       "logs, every line, labelled [rankN]: ; quiet, nothing, while every rank's log file keeps it all "
+                       "(default: $FANRUN_DISPLAY, else logs)")
+    shown.add_argument("--stall-warning", default=None, metavar="SECONDS",
+                       help="with --display panel: flag a rank with no output, progress or metric for this long "
+                       f"(default: {DEFAULT_STALL_WARNING_S:g}; none: never)")
+    detached = parser.add_argument_group("detached runs")
+    detached.add_argument("--detach", action="store_true",
+                          help="run in a process of its own, which goes on when this command ends; print the run's "
+                          "id (fanrun attach, logs, list and cancel take it)")
+    detached.add_argument("--watch", action="store_true",
+                          help="with --detach: follow the run to its end, as `fanrun attach` does")
+    tracking = parser.add_argument_group(
+        "MLflow tracking", "Without these flags, the ranks' MLflow is left as this environment configures it, as "
+        "under torchrun. With any of them, fanrun makes the run an MLflow run, active in every rank once its script "
+        "imports mlflow, as a @distributed call's is: in $MLFLOW_TRACKING_URI's store, else in fanrun's own, which "
+        "`fanrun ui` serves.")
+    tracking.add_argument("--tracking", action="store_true", help="make the MLflow run, in the experiment $MLFLOW_EXPERIMENT_NAME names, else MLflow's default")
+    tracking.add_argument("--experiment-name", default=None, metavar="NAME",
+                          help="make the MLflow run in this experiment (made if need be)")
+    tracking.add_argument("--run-name", default=None, metavar="NAME",
+                          help="the MLflow run's name (default: the script's name and a random part)")
+
+
+def check_combinations(options: argparse.Namespace) -> None:
+    """Raises ValueError for flags that go together badly, naming what to do instead."""
+    if options.watch and not options.detach:
+        raise ValueError("--watch follows a detached run; without --detach, fanrun run shows the ranks' output "
+                         "itself until they end: add --detach, or drop --watch")
+    asked = display(options)
+    if options.detach and asked["display"] == "panel":
+        raise ValueError("--display panel redraws its rows in this terminal, which a detached run does not have: "
+                         "`fanrun attach RUN` shows its output labelled by rank; drop --display panel, or --detach")
+    if options.stall_warning is not None and (asked["display"] or default_display()) != "panel":
+        raise ValueError("--stall-warning flags a quiet rank in the live panel, and this run shows none: add "
+                         "--display panel, or drop --stall-warning")
+
+
+def display(options: argparse.Namespace) -> dict[str, Any]:
+    """Options' display and stall_warning, checked as the decorator's display= and stall_warning= are."""
+    shown = None if options.display in (None, "none") else options.display
+    stall: Any = options.stall_warning
+    if stall is None:
+        stall = DEFAULT_STALL_WARNING_S
+    elif stall.strip().lower() == "none":
+        stall = None
+    else:
+        try:
+            stall = float(stall)
+        except ValueError:
+            pass  # the check names the text as it was given
+    return check_display(shown, stall, FLAGS)
+
+
+def tracking(options: argparse.Namespace) -> dict[str, Any]:
+    """Options' tracking: the ranks' MLflow left alone, as torchrun does, unless a flag asks for a run."""
+    for flag, value in (("--experiment-name", options.experiment_name), ("--run-name", options.run_name)):
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} must be a name, not {value!r}")
+    if not (options.tracking or options.experiment_name is not None or options.run_name is not None):
+        return {"leave_mlflow_alone": True}
+    flag = "--tracking" if options.tracking else "--experiment-name" if options.experiment_name else "--run-name"
+    if not tracking_enabled(True):
+        raise ValueError(f"{flag} asks for an MLflow run, but FANRUN_TRACKING turns tracking off in this "
+                         f"environment: unset FANRUN_TRACKING, or drop {flag}")
+    if importlib.util.find_spec("mlflow") is None:
+        raise ValueError(f"{flag} asks for an MLflow run, and MLflow is not installed: pip install mlflow, "
+                         f"or drop {flag}")
+    return {"tracking": True, "experiment_name": options.experiment_name, "run_name": options.run_name}
