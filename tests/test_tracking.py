@@ -530,6 +530,61 @@ def test_experiment_name_argument_chooses_the_experiment(sqlite_store, sqlite_ur
     assert client.search_runs([other_experiment]) == []
 
 
+TRACKED_SCRIPT = """
+import os, mlflow
+rank = int(os.environ["RANK"])
+active = mlflow.active_run()
+print("active", active.info.run_id if active is not None else None, os.environ.get("MLFLOW_TRACKING_URI"), flush=True)
+if active is not None:
+    for step in range(3):
+        mlflow.log_metric("loss", 10.0 * rank + step, step=step)
+    if rank == 0:
+        mlflow.log_param("lr", "0.1")
+"""
+
+
+def fanrun_run(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fanrun", "run", "-n", "2", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_fanrun_run_leaves_mlflow_alone_unless_a_flag_makes_a_run_that_every_rank_logs_to(sqlite_store, sqlite_uri,
+                                                                                           tmp_path):
+    client, experiment_id = sqlite_store
+    (tmp_path / "tracked.py").write_text(TRACKED_SCRIPT)
+    # As under torchrun: no run, and the ranks' MLflow is configured as the caller's environment says.
+    done = fanrun_run("tracked.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [f"[rank{rank}]: active None {sqlite_uri}" for rank in (0, 1)]
+    assert client.search_runs([experiment_id]) == []
+
+    name = f"fanrun-cli-{uuid.uuid4().hex[:8]}"
+    done = fanrun_run("--experiment-name", name, "--run-name", "first-try", "tracked.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    experiment = client.get_experiment_by_name(name)
+    run = only_run(client, experiment.experiment_id)
+    run_id = run.info.run_id
+    assert f"fanrun: MLflow run first-try ({run_id}) in experiment {name}" in done.stdout, done.stdout
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("[rank")) == [
+        f"[rank{rank}]: active {run_id} {sqlite_uri}" for rank in (0, 1)]
+    assert run.info.status == "FINISHED" and run.info.run_name == "first-try"
+    assert by_rank(client, run_id, "loss") == [[(s, float(s)) for s in range(3)], [(s, 10.0 + s) for s in range(3)]]
+    assert run.data.params["lr"] == "0.1" and run.data.params["fanrun.function"] == "tracked.py"
+    assert f"active {run_id}" in artifact_text(client, run_id, "logs/rank_1.txt", tmp_path)
+    assert client.search_runs([experiment_id]) == []
+
+    # Detached, in the caller's experiment: the run's own process makes the run.
+    done = fanrun_run("--tracking", "--detach", "--watch", "tracked.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run = only_run(client, experiment_id)
+    assert run.info.status == "FINISHED" and run.info.run_name.startswith("tracked.py-")
+    assert by_rank(client, run.info.run_id, "loss")[1] == [(s, 10.0 + s) for s in range(3)]
+    from fanrun._detached import store
+
+    runner = store.read_json(store.find(done.stdout.splitlines()[0]), store.RUNNER)["pid"]
+    assert wait_gone([runner], timeout=10) == []
+
+
 CALLER_TIMED = """
 import sys, time
 from fanrun import distributed
