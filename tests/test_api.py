@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -154,6 +155,26 @@ def test_timeout_type_and_none():
         distributed(timeout="10")
     assert distributed(timeout=None)(identity)._options.timeout is None
     assert distributed()(identity)._options.timeout == 3 * 60 * 60
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"display": "fancy"}, "display must be 'panel', 'logs', 'quiet' or None (the panel in a notebook, logs "
+                               "elsewhere), not 'fancy'"),
+        ({"stall_warning": 0}, "stall_warning must be a positive number of seconds, or None to never flag a quiet "
+                               "rank, not 0"),
+        ({"stall_warning": True}, "stall_warning must be a positive number of seconds"),
+        ({"stall_warning": float("inf")}, "stall_warning must be a positive number of seconds"),
+        ({"stall_warning": "30"}, "stall_warning must be a positive number of seconds"),
+    ],
+)
+def test_bad_display_arguments_are_errors_at_decoration(options, says):
+    """The same check as fanrun run's --display and --stall-warning (test_cli.py), in the decorator's words."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        distributed(**options)
+    shown = distributed(display="quiet", stall_warning=None)(identity)._options
+    assert (shown.display, shown.stall_warning) == ("quiet", None)
 
 
 def test_decorating_a_non_callable():

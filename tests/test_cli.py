@@ -264,7 +264,7 @@ def test_flags_that_go_together_badly_are_refused_before_anything_starts(tmp_pat
         ("--detach", "--display", "panel"): "--display panel redraws its rows in this terminal, which a detached run "
                                             "does not have",
         ("--stall-warning", "30"): "--stall-warning flags a quiet rank in the live panel, and this run shows none",
-        ("--detach", "--stall-warning", "30"): "add --display panel, or drop --stall-warning",
+        ("--detach", "--stall-warning", "30"): "the live panel, which a detached run does not show",
         ("--display", "fancy"): "--display must be 'panel', 'logs', 'quiet' or none (the panel in a notebook, logs "
                                 "elsewhere), not 'fancy'",
         ("--display", "panel", "--stall-warning", "soon"): "--stall-warning must be a positive number of seconds, or "
@@ -275,7 +275,8 @@ def test_flags_that_go_together_badly_are_refused_before_anything_starts(tmp_pat
         ("--tracking",): "--tracking asks for an MLflow run, but FANRUN_TRACKING turns tracking off",
         ("--detach", "--run-name", "first"): "--run-name asks for an MLflow run, but FANRUN_TRACKING turns",
     }
-    before, detached_before = set(os.listdir(runs_dir)), store.all_runs()
+    detached_before = store.all_runs()  # makes the directory of detached runs, where missing
+    before = set(os.listdir(runs_dir))
     for flags, expected in cases.items():
         done = run(["run", "-n", "2", *flags, "says.py"], cwd=tmp_path)
         assert done.returncode == 1 and expected in done.stderr, (flags, done.stderr)

@@ -51,6 +51,9 @@ def check_combinations(options: argparse.Namespace) -> None:
     if options.detach and asked["display"] == "panel":
         raise ValueError("--display panel redraws its rows in this terminal, which a detached run does not have: "
                          "`fanrun attach RUN` shows its output labelled by rank; drop --display panel, or --detach")
+    if options.stall_warning is not None and options.detach:
+        raise ValueError("--stall-warning flags a quiet rank in the live panel, which a detached run does not show: "
+                         "drop --stall-warning, or --detach")
     if options.stall_warning is not None and (asked["display"] or default_display()) != "panel":
         raise ValueError("--stall-warning flags a quiet rank in the live panel, and this run shows none: add "
                          "--display panel, or drop --stall-warning")
