@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -193,9 +194,8 @@ def test_run_detach_goes_on_by_itself_and_attach_logs_and_list_show_it(tmp_path)
     assert done.returncode == 0, done.stderr
     run_id = done.stdout.strip()
     assert done.stdout == run_id + "\n" and run_id.startswith("gated.py-"), done.stdout
-    listed = run(["list"])
-    assert [run_id, "RUNNING"] in [line.split()[:2] for line in listed.stdout.splitlines()] or \
-        [run_id, "QUEUED"] in [line.split()[:2] for line in listed.stdout.splitlines()], listed.stdout
+    listed = [line.split()[:2] for line in run(["list"]).stdout.splitlines()]
+    assert [run_id, "RUNNING"] in listed or [run_id, "QUEUED"] in listed, listed
     gate.touch()
     attached = run(["attach", run_id])
     assert attached.returncode == 0, attached.stderr
@@ -226,6 +226,30 @@ def test_run_detach_watch_follows_a_failing_run_to_its_reason(tmp_path):
     assert attached.returncode == 1 and f"fanrun: run {run_id} {reason}" in attached.stderr, attached.stderr
     listed = run(["list", "--all"])
     assert [run_id, "FAILED"] in [line.split()[:2] for line in listed.stdout.splitlines()], listed.stdout
+    assert wait_gone([runner_pid(run_id)], timeout=10) == []
+
+
+def test_ctrl_c_stops_watching_a_detached_run_which_goes_on(tmp_path):
+    (tmp_path / "gated.py").write_text(GATED)
+    gate = tmp_path / "gate"
+    watching = subprocess.Popen(FANRUN + ["run", "-n", "2", "--detach", "--watch", "gated.py", str(gate)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        run_id = watching.stdout.readline().strip()
+        assert run_id, watching.stderr.read()
+        watching.send_signal(signal.SIGINT)
+        out, err = watching.communicate(timeout=60)
+    finally:
+        watching.kill()
+        watching.wait()
+    assert watching.returncode == 130, err
+    assert f"fanrun: stopped watching; run {run_id} goes on" in err
+    listed = [line.split()[:2] for line in run(["list"]).stdout.splitlines()]
+    assert [run_id, "RUNNING"] in listed or [run_id, "QUEUED"] in listed, listed
+    gate.touch()
+    attached = run(["attach", run_id])
+    assert attached.returncode == 0 and f"fanrun: run {run_id} FINISHED" in attached.stderr, attached.stderr
+    assert "[rank1]: rank 1 of 2" in attached.stdout
     assert wait_gone([runner_pid(run_id)], timeout=10) == []
 
 

@@ -74,15 +74,15 @@ def reason(run) -> str:
 def started(run, *, watch: bool) -> int:
     """A detached run just started (`fanrun submit`, `fanrun run --detach`): its id on stdout, for a
     script to keep; with `watch`, its output until it ends, and the exit status attach gives."""
-    print(run.id, flush=True)
-    if not watch:
-        return 0
     try:
+        print(run.id, flush=True)
+        if not watch:
+            return 0
         run.logs(follow=True)
         status = run.wait()
     except KeyboardInterrupt:
-        print(f"fanrun: stopped watching; run {run.id} goes on (fanrun attach {run.id} follows it again, "
-              f"fanrun cancel {run.id} stops it)", file=sys.stderr)
+        print(f"fanrun: stopped watching; run {run.id} goes on: `fanrun attach {run.id}` follows it again, "
+              f"`fanrun cancel {run.id}` stops it", file=sys.stderr)
         return 130
     print(f"fanrun: run {run.id} {status}{reason(run)}", file=sys.stderr)
     return EXIT_STATUS.get(status, 1)
