@@ -91,6 +91,16 @@ def test_version():
     assert done.returncode == 0 and done.stdout.strip() == f"fanrun {__version__}"
 
 
+def test_run_help_shows_fanruns_flags_in_groups_and_hides_torchruns():
+    done = run(["run", "--help"])
+    assert done.returncode == 0, done.stderr
+    for shown in ("--max-restarts N", "output:", "--display HOW", "--stall-warning SECONDS", "detached runs:",
+                  "--detach", "--watch", "MLflow tracking:", "--tracking", "--experiment-name NAME", "--run-name NAME"):
+        assert shown in done.stdout, shown
+    for hidden in ("--rdzv", "--master-port", "--tee", "--log-dir"):
+        assert hidden not in done.stdout, hidden
+
+
 def test_torchrun_command_line_runs_as_it_is(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import os\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'])\n")

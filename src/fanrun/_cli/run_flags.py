@@ -35,7 +35,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "under torchrun. With any of them, fanrun makes the run an MLflow run, active in every rank once its script "
         "imports mlflow, as a @distributed call's is: in $MLFLOW_TRACKING_URI's store, else in fanrun's own, which "
         "`fanrun ui` serves.")
-    tracking.add_argument("--tracking", action="store_true", help="make the MLflow run, in the experiment $MLFLOW_EXPERIMENT_NAME names, else MLflow's default")
+    tracking.add_argument("--tracking", action="store_true",
+                          help="make the MLflow run, in the experiment $MLFLOW_EXPERIMENT_NAME names, else MLflow's "
+                          "default")
     tracking.add_argument("--experiment-name", default=None, metavar="NAME",
                           help="make the MLflow run in this experiment (made if need be)")
     tracking.add_argument("--run-name", default=None, metavar="NAME",
