@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import torch  # noqa: E402
 
 import fanrun  # noqa: E402
-from fanrun import distributed
+from fanrun import distributed  # noqa: E402
 
 
 ON_GPU = torch.cuda.is_available()

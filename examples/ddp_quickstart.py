@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from fanrun import distributed
+from fanrun import distributed  # was: from serverless_gpu import distributed
 
 
 # %%

@@ -9,7 +9,7 @@
 # %%
 import os
 
-from fanrun import distributed, ray_init
+from fanrun import distributed, ray_init  # was: from databricks.air import distributed, ray_init
 
 print("Ray cluster:", ray_init())
 

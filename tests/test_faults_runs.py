@@ -239,7 +239,7 @@ def test_two_processes_pruning_at_once_each_keep_their_own_runs(runs_root):
     script = textwrap.dedent(
         """
         import sys
-        from fanrun._launch import paths as _paths
+        from fanrun._spec import paths as _paths
         _paths.KEEP_RUNS = 2
         for i in range(40):
             paths = _paths.RunPaths.create(sys.argv[1])

@@ -20,8 +20,8 @@ from test_faults_http import answer, hostile, listing, silent, slowly  # noqa: F
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from fanrun.data import TableDataset, TableError
-from fanrun.data._table_deadline import delta_options
+from fanrun.data import TableDataset, TableError  # noqa: E402
+from fanrun.data._table_deadline import delta_options  # noqa: E402
 
 # Waits end within this: the clients' retries of a request that timed out, under a loaded machine.
 AT_MOST_S = 60

@@ -16,8 +16,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 pc = pytest.importorskip("pyarrow.compute")
 pytest.importorskip("aiohttp")
 
-from fanrun._errors import TableError
-from fanrun.data import DataLoader, TableDataset
+from fanrun._errors import TableError  # noqa: E402
+from fanrun.data import DataLoader, TableDataset  # noqa: E402
 
 DAYS = ("2026-11-29", "2026-11-30", "2026-12-01")
 ROWS_PER_FILE = 250

@@ -17,8 +17,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("deltalake")
 pytest.importorskip("boto3")
 
-from fanrun import distributed
-from fanrun.data import TableDataset, TableError
+from fanrun import distributed  # noqa: E402
+from fanrun.data import TableDataset, TableError  # noqa: E402
 
 ROWS = 120
 DELETED = [0, 2, 5, 7]
