@@ -36,6 +36,7 @@ SMOKE_RUNS = {
     "loader_transfer.py": ([], ["bytes/batch", "CPU ratio", "1048576"]),
     "ray.py": ([], ["Whole call", "fanrun/TorchTrainer", "Failure latency", "Training throughput", "Goals:"]),
     "ray_gpu.py": ([], ["DDP example, 3 epochs, 2 ranks, gloo on CPUs", "rank 1 on cpu", "losses equal"]),
+    "output.py": ([], ["| display | lines/s | caller CPU us/line |", "| logs |", "| quiet |"]),
     "panel.py": ([], ["| display | caller CPU share of one core |", "| panel |", "| quiet |", "Goals:",
                       "the panel's own CPU (panel - quiet)"]),
     "read_through.py": (["--dir", "{tmp}"], ["cat x2:", "whole x2:", "read_through x2:"]),
