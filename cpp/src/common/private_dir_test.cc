@@ -5,7 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "test_util_internal.h"
+#include "common/test_util_internal.h"
 
 namespace fanrun {
 namespace {

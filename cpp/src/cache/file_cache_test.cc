@@ -17,7 +17,7 @@
 #include <sstream>
 #include <thread>
 
-#include "test_util_internal.h"
+#include "common/test_util_internal.h"
 
 namespace fanrun {
 namespace {

@@ -25,7 +25,7 @@
 #include "fanrun/fd.h"
 #include "fanrun/process.h"
 #include "fanrun/run_contract.h"
-#include "keeper_protocol_internal.h"
+#include "process/keeper_protocol_internal.h"
 
 extern char** environ;
 

@@ -15,7 +15,7 @@
 #include <random>
 
 #include "fanrun/checkpoint_crc32c.h"
-#include "test_util_internal.h"
+#include "common/test_util_internal.h"
 
 namespace fanrun {
 namespace {

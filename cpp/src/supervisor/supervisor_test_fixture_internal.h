@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "fanrun/supervisor.h"
-#include "test_util_internal.h"
+#include "common/test_util_internal.h"
 
 namespace fanrun::testing {
 

@@ -1,4 +1,4 @@
-#include "http_message_internal.h"
+#include "http/http_message_internal.h"
 
 #include <random>
 #include <string>

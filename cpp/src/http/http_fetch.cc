@@ -13,7 +13,7 @@
 #include <string_view>
 #include <utility>
 
-#include "http_message_internal.h"
+#include "http/http_message_internal.h"
 
 namespace fanrun {
 namespace {

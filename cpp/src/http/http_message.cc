@@ -1,5 +1,5 @@
 // Percent-encoding of request URLs and the checks of an answer's head.
-#include "http_message_internal.h"
+#include "http/http_message_internal.h"
 
 #include <algorithm>
 #include <cctype>

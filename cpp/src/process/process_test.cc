@@ -8,7 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "test_util_internal.h"
+#include "common/test_util_internal.h"
 
 namespace fanrun {
 namespace {

@@ -19,7 +19,7 @@
 
 #include <gtest/gtest.h>
 
-#include "test_util_internal.h"
+#include "common/test_util_internal.h"
 
 namespace fanrun {
 namespace {

@@ -10,7 +10,7 @@
 #include <map>
 #include <optional>
 
-#include "supervisor_test_fixture_internal.h"
+#include "supervisor/supervisor_test_fixture_internal.h"
 
 namespace fanrun {
 namespace {

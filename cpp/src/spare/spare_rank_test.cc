@@ -5,7 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include "supervisor_test_fixture_internal.h"
+#include "supervisor/supervisor_test_fixture_internal.h"
 
 namespace fanrun {
 namespace {

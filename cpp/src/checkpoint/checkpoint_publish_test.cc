@@ -8,7 +8,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "test_util_internal.h"
+#include "common/test_util_internal.h"
 
 namespace fanrun {
 namespace {

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "test_util_internal.h"
+#include "common/test_util_internal.h"
 
 namespace fanrun {
 namespace {

@@ -8,7 +8,7 @@
 
 #include <cstring>
 
-#include "keeper_protocol_internal.h"
+#include "process/keeper_protocol_internal.h"
 
 namespace fanrun {
 namespace {
