@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+import pickle
+
+import pytest
 
 from fanrun import _core
 from fanrun._rank import contract as _run_contract
@@ -30,9 +33,15 @@ def test_the_python_contract_imports_nothing():
     assert imports == []
 
 
+def test_the_output_streams_are_the_same_in_both_languages():
+    """The engine names the stream of each piece of output as the contract numbers it."""
+    assert [(stream.name, stream.value) for stream in _core.Stream] == [
+        ("STDOUT", _run_contract.STDOUT), ("STDERR", _run_contract.STDERR)]
+
+
 def test_events_and_stop_reasons_cross_the_border_as_enums():
-    """The engine hands up event kinds, segment kinds and stop reasons as enums, never as bare
-    numbers or strings."""
+    """The engine hands up event kinds, streams, segment kinds and stop reasons as enums, never as
+    bare numbers or strings."""
     assert [kind.name for kind in _core.EventKind] == ["OUTPUT", "RANK_FAILED", "RANK_EXITED", "TIMED_OUT"]
     assert [kind.name for kind in _core.SegmentKind] == ["LINE", "PARTIAL", "PROGRESS"]
     assert [reason.name for reason in _core.StopReason] == ["NONE", "RANK_FAILED", "TIMEOUT", "CANCELLED"]
@@ -50,30 +59,38 @@ def test_a_rank_speaking_the_python_contract_is_understood_by_the_engine(runs_di
         f"printf '{_run_contract.CONTROL_FAILED}\\n' >&{channel}; exec sleep 60"
     )
     log = tmp_path / "rank_0.log"
-    supervisor = _core.Supervisor.start(
-        argvs=[["/bin/sh", "-c", script]],
-        envs=[["PATH=/usr/bin:/bin", f"{_run_contract.ENV_RUN_DIR}={runs_dir}/contract"]],
-        cwd=str(tmp_path),
-        log_paths=[str(log)],
-        timeout_s=0.0,
-        kill_grace_s=5.0,
-        stack_dump_signal=0,
-        stack_dump_wait_s=0.0,
-        wakeup_fd=-1,
-        control_channel=True,
-        expect_done=False,
-        keeper=KEEPER,
-    )
+    rank = _core.RankOptions(argv=["/bin/sh", "-c", script],
+                             env=["PATH=/usr/bin:/bin", f"{_run_contract.ENV_RUN_DIR}={runs_dir}/contract"],
+                             cwd=str(tmp_path), log_path=str(log))
+    supervisor = _core.Supervisor.start(_core.SupervisorOptions(ranks=[rank], keeper_path=KEEPER, stack_dump_wait_s=0.0))
     events = []
     done = False
     while not done:
         batch, _interrupted, done = supervisor.wait(10.0)
         events.extend(batch)
-    kinds = [kind for kind, *_ in events]
-    assert _core.EventKind.RANK_FAILED in kinds
+    assert _core.EventKind.RANK_FAILED in [event.kind for event in events]
     assert supervisor.stop_reason == _core.StopReason.RANK_FAILED
     assert supervisor.first_failed_rank == 0
-    shown = b"".join(text for kind, _rank, _stream, _segment, text, _exit in events if kind == _core.EventKind.OUTPUT)
-    assert shown == b"shown"
+    output = [event for event in events if event.kind == _core.EventKind.OUTPUT]
+    assert b"".join(event.data for event in output) == b"shown"
+    assert [type(event.stream) for event in output] == [_core.Stream] and output[0].stream == _core.Stream.STDOUT
     logged = log.read_bytes()  # the two in either order: the log text follows what the pipes held when it came
     assert sorted([logged.replace(b"shown\n", b""), logged.replace(b"logged", b"")]) == [b"logged", b"shown\n"]
+
+
+def test_an_event_is_read_only_and_crosses_processes_pickled():
+    """An event's fields are named and cannot be changed; a cluster's node agents send theirs
+    to the caller pickled, and each comes back whole, renumbered among the run's ranks."""
+    event = _core.Event(kind=_core.EventKind.OUTPUT, rank=1, stream=_core.Stream.STDERR,
+                        segment=_core.SegmentKind.PARTIAL, data=b"half a line\x00\xff")
+    with pytest.raises(AttributeError):
+        event.rank = 2
+    exited = _core.Event(kind=_core.EventKind.RANK_EXITED, rank=0, exit_code=3, signal=0)
+    fields = ("kind", "rank", "stream", "segment", "data", "exit_code", "signal")
+    for sent in (event, exited):
+        received = pickle.loads(pickle.dumps(sent))
+        assert type(received) is _core.Event
+        assert [getattr(received, name) for name in fields] == [getattr(sent, name) for name in fields]
+    renumbered = event.with_rank(5)
+    assert (renumbered.rank, event.rank, renumbered.data) == (5, 1, event.data)
+    assert "rank=5" in repr(renumbered) and "Stream.STDERR" in repr(renumbered)

@@ -6,6 +6,7 @@
 namespace nb = nanobind;
 
 namespace fanrun::bindings {
+void BindRunContract(nb::module_& m);
 void BindSupervisor(nb::module_& m);
 void BindAccelerators(nb::module_& m);
 void BindCheckpoint(nb::module_& m);
@@ -15,6 +16,7 @@ void BindCache(nb::module_& m);
 NB_MODULE(_core, m) {
   m.doc() = "fanrun's C++ engine: process supervision, log multiplexing, accelerator detection, checkpoint I/O, the file cache";
   fanrun::bindings::BindErrors(m);
+  fanrun::bindings::BindRunContract(m);  // first: the supervisor's signatures name its enums
   fanrun::bindings::BindSupervisor(m);
   fanrun::bindings::BindAccelerators(m);
   fanrun::bindings::BindCheckpoint(m);

@@ -1,8 +1,8 @@
 // The run contract, the engine's half: the messages a rank sends on its control channel, and
-// the kinds of what the engine reports up (events, output segments, why a run stopped).
+// the kinds of what the engine reports up (events, output streams and segments, why a run stopped).
 //
-// The Python half is src/fanrun/_run_contract.py. The bindings hand these to Python as
-// fanrun._core's CONTROL_* constants and its EventKind, SegmentKind and StopReason enums;
+// The Python half is src/fanrun/_rank/contract.py. The bindings hand these to Python as
+// fanrun._core's CONTROL_* constants and its EventKind, Stream, SegmentKind and StopReason enums;
 // tests/test_run_contract.py holds the two halves equal.
 #pragma once
 
@@ -32,6 +32,9 @@ inline constexpr std::string_view kSpareReady = "ready";
 // are no longer the call's, and I wait on my control channel for another call". The call is
 // over for it without an exit; Supervisor::ReleaseKept hands it on as a spare (keep_alive).
 inline constexpr std::string_view kControlKept = "kept";
+
+// Which of a rank's output streams a piece of output came from, numbered as its descriptor.
+enum class Stream { kStdout = 1, kStderr = 2 };
 
 // What a piece of a rank's output is.
 enum class SegmentKind {

@@ -51,11 +51,11 @@ struct SupervisorOptions {
 
 struct Event {
   EventKind kind;
-  int rank;
-  int stream = 0;                          // kOutput: 1 stdout, 2 stderr
+  int rank;                                  // -1 for kTimedOut, which is the run's
+  Stream stream = Stream::kStdout;           // kOutput
   SegmentKind segment = SegmentKind::kLine;  // kOutput
-  std::string text;                        // kOutput
-  ExitStatus exit;                         // kRankExited
+  std::string text;                          // kOutput
+  ExitStatus exit;                           // kRankExited
 };
 
 struct WaitResult {
@@ -105,11 +105,13 @@ class Supervisor {
  private:
   using Clock = std::chrono::steady_clock;
 
-  struct Stream {
+  // The read end of a rank's stdout or stderr pipe, and its line so far.
+  struct OutputPipe {
+    Stream stream;
     FileDescriptor fd;
     LineSplitter lines;
     std::optional<Clock::time_point> show_held_at;  // when what `lines` holds is shown
-    explicit Stream(size_t max_line) : lines(max_line) {}
+    OutputPipe(Stream which, size_t max_line) : stream(which), lines(max_line) {}
   };
 
   struct Rank {
@@ -117,7 +119,7 @@ class Supervisor {
     pid_t pid = -1;
     std::string log_path;
     FileDescriptor log;
-    std::unique_ptr<Stream> out, err;
+    std::unique_ptr<OutputPipe> out, err;
     FileDescriptor control;
     std::string control_buffer;
     bool control_line_dropped = false;  // the control line read now was too long: skipped to its end
@@ -130,11 +132,11 @@ class Supervisor {
   explicit Supervisor(SupervisorOptions options);
   Status SpawnRank(size_t index, std::optional<SpareRank> spare);
 
-  // Reads once from a ready output stream; on end of stream finishes and closes it.
-  void PumpStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
-  // Reads what the stream holds now, without waiting.
-  void PumpAvailable(size_t rank, Stream& stream, int number, std::vector<Event>& events);
-  void DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events);
+  // Reads once from a ready output pipe; on end of stream finishes and closes it.
+  void PumpStream(size_t rank, OutputPipe& pipe, std::vector<Event>& events);
+  // Reads what the pipe holds now, without waiting.
+  void PumpAvailable(size_t rank, OutputPipe& pipe, std::vector<Event>& events);
+  void DrainStream(size_t rank, OutputPipe& pipe, std::vector<Event>& events);
   void PumpControl(size_t rank, std::vector<Event>& events);
   void OnExit(size_t rank, std::vector<Event>& events);
   void OnKept(size_t rank, std::vector<Event>& events);

@@ -105,13 +105,13 @@ TEST_F(SpareRankTest, BecomesTheRankItIsHandedWithItsOutputDirectoryAndEnvironme
   const auto events = RunToEnd(**supervisor);
   EXPECT_EQ((*supervisor)->pid(0), spare_pid);
   EXPECT_NE((*supervisor)->pid(1), spare_pid);
-  std::map<std::pair<int, int>, std::string> lines;
+  std::map<std::pair<int, Stream>, std::string> lines;
   for (const auto& e : events) {
     if (e.kind == EventKind::kOutput) lines[{e.rank, e.stream}] += e.text;
   }
   for (int rank : {0, 1}) {
-    EXPECT_EQ(lines[std::make_pair(rank, 1)], "out" + std::to_string(rank) + " in " + dir_);
-    EXPECT_EQ(lines[std::make_pair(rank, 2)], "err" + std::to_string(rank));
+    EXPECT_EQ(lines[std::make_pair(rank, Stream::kStdout)], "out" + std::to_string(rank) + " in " + dir_);
+    EXPECT_EQ(lines[std::make_pair(rank, Stream::kStderr)], "err" + std::to_string(rank));
     EXPECT_TRUE((*supervisor)->exit_status(rank)->success());
   }
   EXPECT_NE(ReadFile(dir_ + "/rank_0.log").find("out0 in "), std::string::npos);
@@ -176,7 +176,7 @@ TEST_F(SpareRankTest, KeptRanksEndTheirCallAliveAndTakeTheNextOne) {
     auto supervisor = Supervisor::Start(Options({"first", "second"}), std::move(spares));
     ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
     const auto events = RunToEnd(**supervisor);
-    const auto out = Lines(events, 1);
+    const auto out = Lines(events, Stream::kStdout);
     for (int rank : {0, 1}) {
       EXPECT_EQ(out.at(rank), "call in pid " + std::to_string(pids[rank]) + "|") << "call " << call;
       EXPECT_TRUE((*supervisor)->exit_status(rank)->success());
@@ -214,7 +214,7 @@ TEST_F(SpareRankTest, ARankStartedColdCannotBeKept) {
   auto supervisor = Supervisor::Start(Options({"echo done >&3; echo kept >&3; echo after"}));
   ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
   const auto events = RunToEnd(**supervisor);
-  EXPECT_EQ(Lines(events, 1).at(0), "after|");  // its output to its exit, not cut at "kept"
+  EXPECT_EQ(Lines(events, Stream::kStdout).at(0), "after|");  // its output to its exit, not cut at "kept"
   auto kept = (*supervisor)->ReleaseKept();
   ASSERT_TRUE(kept.ok());
   EXPECT_TRUE(kept->empty());

@@ -113,9 +113,9 @@ Status Supervisor::SpawnRank(size_t index, std::optional<SpareRank> spare) {
   FANRUN_RETURN_NOT_OK(control.write.Close());
   FANRUN_RETURN_NOT_OK(SetNonBlocking(out.read.fd()));
   FANRUN_RETURN_NOT_OK(SetNonBlocking(err.read.fd()));
-  rank.out = std::make_unique<Stream>(options_.max_line_bytes);
+  rank.out = std::make_unique<OutputPipe>(Stream::kStdout, options_.max_line_bytes);
   rank.out->fd = std::move(out.read);
-  rank.err = std::make_unique<Stream>(options_.max_line_bytes);
+  rank.err = std::make_unique<OutputPipe>(Stream::kStderr, options_.max_line_bytes);
   rank.err->fd = std::move(err.read);
   if (control.read.valid()) {
     FANRUN_RETURN_NOT_OK(SetNonBlocking(control.read.fd()));
@@ -154,25 +154,25 @@ Result<std::vector<SpareRank>> Supervisor::ReleaseKept() {
   return spares;
 }
 
-void Supervisor::PumpStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
+void Supervisor::PumpStream(size_t rank, OutputPipe& pipe, std::vector<Event>& events) {
   char buffer[kReadChunk];
-  const ssize_t n = ::read(stream.fd.fd(), buffer, sizeof(buffer));
+  const ssize_t n = ::read(pipe.fd.fd(), buffer, sizeof(buffer));
   if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
   auto emit = [&](SegmentKind kind, std::string_view text) {
-    events.push_back(Event{EventKind::kOutput, static_cast<int>(rank), number, kind, std::string(text), {}});
+    events.push_back(Event{EventKind::kOutput, static_cast<int>(rank), pipe.stream, kind, std::string(text), {}});
   };
   if (n <= 0) {  // end of stream, or an error that ends it all the same
-    stream.lines.Finish(emit);
-    FANRUN_WARN_NOT_OK(stream.fd.Close(), "closing a rank's output");
+    pipe.lines.Finish(emit);
+    FANRUN_WARN_NOT_OK(pipe.fd.Close(), "closing a rank's output");
     return;
   }
   const Rank& r = ranks_[rank];
   if (r.log.valid()) FANRUN_WARN_NOT_OK(WriteAll(r.log.fd(), buffer, static_cast<size_t>(n)), "writing a rank's log");
-  stream.lines.Feed(std::string_view(buffer, static_cast<size_t>(n)), emit);
-  if (!stream.lines.HoldsUnshown()) {
-    stream.show_held_at.reset();
-  } else if (!stream.show_held_at) {  // counted from the first byte held, so a trickle shows too
-    stream.show_held_at = Clock::now() + Seconds(options_.show_held_after_s);
+  pipe.lines.Feed(std::string_view(buffer, static_cast<size_t>(n)), emit);
+  if (!pipe.lines.HoldsUnshown()) {
+    pipe.show_held_at.reset();
+  } else if (!pipe.show_held_at) {  // counted from the first byte held, so a trickle shows too
+    pipe.show_held_at = Clock::now() + Seconds(options_.show_held_after_s);
   }
 }
 
@@ -180,34 +180,34 @@ void Supervisor::ShowHeldOutput(Clock::time_point now, std::vector<Event>& event
   for (size_t i = 0; i < ranks_.size(); ++i) {
     Rank& r = ranks_[i];
     if (r.exit) continue;
-    for (const auto& [number, stream] : {std::pair{1, r.out.get()}, std::pair{2, r.err.get()}}) {
-      if (!stream->show_held_at || now < *stream->show_held_at) continue;
-      stream->show_held_at.reset();
-      stream->lines.ShowHeld([&, number = number](SegmentKind kind, std::string_view text) {
-        events.push_back(Event{EventKind::kOutput, static_cast<int>(i), number, kind, std::string(text), {}});
+    for (OutputPipe* pipe : {r.out.get(), r.err.get()}) {
+      if (!pipe->show_held_at || now < *pipe->show_held_at) continue;
+      pipe->show_held_at.reset();
+      pipe->lines.ShowHeld([&](SegmentKind kind, std::string_view text) {
+        events.push_back(Event{EventKind::kOutput, static_cast<int>(i), pipe->stream, kind, std::string(text), {}});
       });
     }
   }
 }
 
-void Supervisor::PumpAvailable(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
-  while (stream.fd.valid()) {
-    pollfd p{stream.fd.fd(), POLLIN, 0};
+void Supervisor::PumpAvailable(size_t rank, OutputPipe& pipe, std::vector<Event>& events) {
+  while (pipe.fd.valid()) {
+    pollfd p{pipe.fd.fd(), POLLIN, 0};
     if (::poll(&p, 1, 0) <= 0) break;
-    PumpStream(rank, stream, number, events);
+    PumpStream(rank, pipe, events);
   }
 }
 
-void Supervisor::DrainStream(size_t rank, Stream& stream, int number, std::vector<Event>& events) {
+void Supervisor::DrainStream(size_t rank, OutputPipe& pipe, std::vector<Event>& events) {
   // The rank has exited, so all it wrote is in the pipe: read to the end, but do not
   // wait for processes it left behind that still hold the pipe.
-  PumpAvailable(rank, stream, number, events);
-  if (stream.fd.valid()) {
+  PumpAvailable(rank, pipe, events);
+  if (pipe.fd.valid()) {
     auto emit = [&](SegmentKind kind, std::string_view text) {
-      events.push_back(Event{EventKind::kOutput, static_cast<int>(rank), number, kind, std::string(text), {}});
+      events.push_back(Event{EventKind::kOutput, static_cast<int>(rank), pipe.stream, kind, std::string(text), {}});
     };
-    stream.lines.Finish(emit);
-    FANRUN_WARN_NOT_OK(stream.fd.Close(), "closing a rank's output");
+    pipe.lines.Finish(emit);
+    FANRUN_WARN_NOT_OK(pipe.fd.Close(), "closing a rank's output");
   }
 }
 
@@ -243,8 +243,8 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
       const size_t length = std::stoul(digits);
       if (r.control_buffer.size() < newline + 1 + length) break;  // the rest is on its way
       // What the rank wrote before it is in its pipes already: logged first, to keep the order.
-      PumpAvailable(rank, *r.out, 1, events);
-      PumpAvailable(rank, *r.err, 2, events);
+      PumpAvailable(rank, *r.out, events);
+      PumpAvailable(rank, *r.err, events);
       if (r.log.valid()) {
         FANRUN_WARN_NOT_OK(WriteAll(r.log.fd(), r.control_buffer.data() + newline + 1, length), "writing a rank's log");
       }
@@ -253,7 +253,7 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
     }
     r.control_buffer.erase(0, newline + 1);
     if (message == kControlFailed) {
-      events.push_back(Event{EventKind::kRankFailed, static_cast<int>(rank), 0, SegmentKind::kLine, {}, {}});
+      events.push_back(Event{EventKind::kRankFailed, static_cast<int>(rank), Stream::kStdout, SegmentKind::kLine, {}, {}});
       OnFailure(rank);
     } else if (message == kControlDone) {
       r.done = true;
@@ -271,17 +271,17 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
 void Supervisor::OnKept(size_t rank, std::vector<Event>& events) {
   Rank& r = ranks_[rank];
   // It flushed its output before it said so: all of it is in the pipes.
-  DrainStream(rank, *r.out, 1, events);
-  DrainStream(rank, *r.err, 2, events);
+  DrainStream(rank, *r.out, events);
+  DrainStream(rank, *r.err, events);
   r.kept = true;
   r.exit = ExitStatus{0, 0};
-  events.push_back(Event{EventKind::kRankExited, static_cast<int>(rank), 0, SegmentKind::kLine, {}, *r.exit});
+  events.push_back(Event{EventKind::kRankExited, static_cast<int>(rank), Stream::kStdout, SegmentKind::kLine, {}, *r.exit});
 }
 
 void Supervisor::OnExit(size_t rank, std::vector<Event>& events) {
   Rank& r = ranks_[rank];
-  DrainStream(rank, *r.out, 1, events);
-  DrainStream(rank, *r.err, 2, events);
+  DrainStream(rank, *r.out, events);
+  DrainStream(rank, *r.err, events);
   while (r.control.valid()) {
     pollfd p{r.control.fd(), POLLIN, 0};
     if (::poll(&p, 1, 0) <= 0) break;
@@ -289,7 +289,7 @@ void Supervisor::OnExit(size_t rank, std::vector<Event>& events) {
   }
   FANRUN_WARN_NOT_OK(r.control.Close(), "closing a rank's control channel");
   // What the rank started and left behind is gone already: its keeper exits only after that.
-  events.push_back(Event{EventKind::kRankExited, static_cast<int>(rank), 0, SegmentKind::kLine, {}, *r.exit});
+  events.push_back(Event{EventKind::kRankExited, static_cast<int>(rank), Stream::kStdout, SegmentKind::kLine, {}, *r.exit});
   if (!r.exit->success() || (options_.expect_done && !r.done)) OnFailure(rank);
   if (KilledFromOutsideJustAfterTheFirstFailure(*r.exit)) first_failed_rank_ = static_cast<int>(rank);
 }
@@ -334,7 +334,7 @@ void Supervisor::HandleDeadlines(Clock::time_point now, std::vector<Event>& even
   if (timeout_at_ && now >= *timeout_at_ && stop_reason_ == StopReason::kNone) {
     timeout_at_.reset();
     stop_reason_ = StopReason::kTimeout;
-    events.push_back(Event{EventKind::kTimedOut, -1, 0, SegmentKind::kLine, {}, {}});
+    events.push_back(Event{EventKind::kTimedOut, -1, Stream::kStdout, SegmentKind::kLine, {}, {}});
     for (size_t i = 0; i < ranks_.size(); ++i) {
       if (!ranks_[i].exit) running_at_timeout_.push_back(static_cast<int>(i));
     }
@@ -437,8 +437,8 @@ Result<WaitResult> Supervisor::Wait(double max_wait_s, double gather_s) {
           }
           break;
         }
-        case Watched::kStdout: PumpStream(i, *r.out, 1, result.events); break;
-        case Watched::kStderr: PumpStream(i, *r.err, 2, result.events); break;
+        case Watched::kStdout: PumpStream(i, *r.out, result.events); break;
+        case Watched::kStderr: PumpStream(i, *r.err, result.events); break;
         case Watched::kControl: PumpControl(i, result.events); break;
       }
     }

@@ -25,8 +25,8 @@ TEST_F(SupervisorTest, EveryRankRunsAndItsOutputArrivesLabelledAndLogged) {
   auto supervisor = Supervisor::Start(Options({"echo out$RANK; echo err$RANK >&2", "echo out$RANK; echo err$RANK >&2"}));
   ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
   auto events = RunToEnd(**supervisor);
-  EXPECT_EQ(Lines(events, 1), (std::map<int, std::string>{{0, "out0|"}, {1, "out1|"}}));
-  EXPECT_EQ(Lines(events, 2), (std::map<int, std::string>{{0, "err0|"}, {1, "err1|"}}));
+  EXPECT_EQ(Lines(events, Stream::kStdout), (std::map<int, std::string>{{0, "out0|"}, {1, "out1|"}}));
+  EXPECT_EQ(Lines(events, Stream::kStderr), (std::map<int, std::string>{{0, "err0|"}, {1, "err1|"}}));
   EXPECT_EQ((*supervisor)->first_failed_rank(), -1);
   EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kNone);
   EXPECT_TRUE((*supervisor)->exit_status(0)->success());
@@ -101,7 +101,7 @@ TEST_F(SupervisorTest, TextSentForTheLogAloneIsLoggedInOrderAndNotShown) {
                "exec sleep 100"}));
   ASSERT_TRUE(supervisor.ok());
   auto events = RunToEnd(**supervisor);
-  EXPECT_EQ(Lines(events, 2), (std::map<int, std::string>{{0, "before|"}}));
+  EXPECT_EQ(Lines(events, Stream::kStderr), (std::map<int, std::string>{{0, "before|"}}));
   EXPECT_EQ((*supervisor)->first_failed_rank(), 0);
   EXPECT_EQ(ReadFile(dir_ + "/rank_0.log"), "before\nTraceback:\n  line 1\nboom\n");
 }
@@ -137,7 +137,7 @@ TEST_F(SupervisorTest, TimeoutDumpsStacksThenKills) {
   auto events = RunToEnd(**supervisor);
   EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kTimeout);
   EXPECT_EQ((*supervisor)->ranks_running_at_timeout(), (std::vector<int>{0, 1}));
-  EXPECT_EQ(Lines(events, 2), (std::map<int, std::string>{{0, "dumping|"}, {1, "dumping|"}}));
+  EXPECT_EQ(Lines(events, Stream::kStderr), (std::map<int, std::string>{{0, "dumping|"}, {1, "dumping|"}}));
   EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
   // The timeout is an event of its own, before any rank was stopped.
   const auto timed_out = std::find_if(events.begin(), events.end(), [](const Event& e) { return e.kind == EventKind::kTimedOut; });
@@ -213,7 +213,7 @@ TEST_F(SupervisorTest, LineWithoutNewlineArrivesWhileTheRankWaits) {
   const auto held_for = std::chrono::steady_clock::now() - *started;
   EXPECT_LT(held_for, std::chrono::milliseconds(1000));
   EXPECT_GE(held_for, std::chrono::milliseconds(100));
-  EXPECT_EQ(Lines(events, 1), (std::map<int, std::string>{{0, "start|waiting...|"}}));
+  EXPECT_EQ(Lines(events, Stream::kStdout), (std::map<int, std::string>{{0, "start|waiting...|"}}));
   (*supervisor)->Cancel();
   RunToEnd(**supervisor);
   EXPECT_EQ(ReadFile(dir_ + "/rank_0.log"), "start\nwaiting...");
@@ -242,7 +242,7 @@ TEST_F(SupervisorTest, OutputGatheredIsReportedInOneBatchAndAnExitAtOnce) {
   auto batch = (*supervisor)->Wait(-1, 2.0);
   ASSERT_TRUE(batch.ok());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1500));
-  EXPECT_EQ(Lines(batch->events, 1), (std::map<int, std::string>{{0, "1|2|3|4|5|"}}));
+  EXPECT_EQ(Lines(batch->events, Stream::kStdout), (std::map<int, std::string>{{0, "1|2|3|4|5|"}}));
   ASSERT_FALSE(batch->events.empty());
   EXPECT_EQ(batch->events.back().kind, EventKind::kRankExited);
   RunToEnd(**supervisor);
@@ -255,7 +255,7 @@ TEST_F(SupervisorTest, OutputGatheredIsReportedOnceTheGatheringTimeIsUp) {
   auto batch = (*supervisor)->Wait(-1, 0.4);
   const auto waited = std::chrono::steady_clock::now() - start;
   ASSERT_TRUE(batch.ok());
-  EXPECT_EQ(Lines(batch->events, 1), (std::map<int, std::string>{{0, "first|second|"}}));
+  EXPECT_EQ(Lines(batch->events, Stream::kStdout), (std::map<int, std::string>{{0, "first|second|"}}));
   EXPECT_GE(waited, std::chrono::milliseconds(400));
   EXPECT_LT(waited, std::chrono::milliseconds(2000));
   (*supervisor)->Cancel();
@@ -284,7 +284,7 @@ TEST_F(SupervisorTest, WhatARankLeavesBehindIsGoneWhenItsExitIsReported) {
   auto events = RunToEnd(**supervisor);
   std::vector<pid_t> leftovers;
   for (const auto& e : events) {
-    if (e.kind == EventKind::kOutput && e.stream == 1) leftovers.push_back(static_cast<pid_t>(std::stoi(e.text)));
+    if (e.kind == EventKind::kOutput && e.stream == Stream::kStdout) leftovers.push_back(static_cast<pid_t>(std::stoi(e.text)));
   }
   ASSERT_EQ(leftovers.size(), 3u);
   for (pid_t pid : leftovers) EXPECT_TRUE(ProcessGoneWithin(pid, 0)) << pid;

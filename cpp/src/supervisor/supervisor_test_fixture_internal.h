@@ -52,7 +52,7 @@ class SupervisorFixture : public ::testing::Test {
     }
   }
 
-  static std::map<int, std::string> Lines(const std::vector<Event>& events, int stream) {
+  static std::map<int, std::string> Lines(const std::vector<Event>& events, Stream stream) {
     std::map<int, std::string> out;
     for (const auto& e : events) {
       if (e.kind == EventKind::kOutput && e.stream == stream) out[e.rank] += e.text + "|";

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import _core
 from .._rank import contract
-from .output_views import View, caller_surface, flush_streams, views_for_streams, visible
+from .output_views import View, caller_surface, flush_streams, terminal_block_stream, views_for_streams, visible
 from .panel import Panel
 from .panel_metrics import MetricFiles
 from .panel_view import PanelView, QuietView
@@ -54,18 +54,17 @@ class OutputMux:
         self.panel: PanelView | None = None
         if display == "quiet":
             quiet = QuietView()
-            self._views: dict[int, View] = {1: quiet, 2: quiet}
+            self._views: dict[_core.Stream, View] = {stream: quiet for stream in _core.Stream}
         elif (display == "panel" and surface != "plain") or (display is None and surface == "notebook"):
             panel = Panel(world_size, where or ["" for _ in range(world_size)], time.monotonic(), stall_warning, *hints)
-            block_stream = 2 if caller_surface(2) == "terminal" else 1
             metrics = MetricFiles(run_dir, world_size) if run_dir is not None else None
             gpu_sample = open_gpu_sample() if open_gpu_sample is not None else None
-            self.panel = PanelView(panel, surface, block_stream, metrics, gpu_sample)
-            self._views = {1: self.panel, 2: self.panel}
+            self.panel = PanelView(panel, surface, terminal_block_stream(), metrics, gpu_sample)
+            self._views = {stream: self.panel for stream in _core.Stream}
         else:
             self._views = views_for_streams(self._labels)
         self.gather_s = min(view.gather_s for view in self._unique_views())  # for the engine's wait
-        self._lines: dict[tuple[int, int], _LineShown] = {}  # (rank, stream) -> its line so far
+        self._lines: dict[tuple[int, _core.Stream], _LineShown] = {}  # (rank, stream) -> its line so far
         self.stderr_tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(world_size)]
         self._capturing: dict[int, list[str]] | None = None
 
@@ -75,9 +74,9 @@ class OutputMux:
         self._capturing = collections.defaultdict(list)
         return self._capturing
 
-    def write(self, rank: int, stream_number: int, segment: _core.SegmentKind, data: bytes) -> None:
-        key = (rank, stream_number)
-        view = self._views[stream_number]
+    def write(self, rank: int, stream: _core.Stream, segment: _core.SegmentKind, data: bytes) -> None:
+        key = (rank, stream)
+        view = self._views[stream]
         now = time.monotonic()
         if segment == _core.SegmentKind.PROGRESS:
             self._lines.pop(key, None)  # the line is redrawn from its start
@@ -93,7 +92,7 @@ class OutputMux:
         end = shown.add(data, final=True)
         note = shown.left_out_note(contract.log_name(rank))
         rest, line = end + note, shown.text + note
-        if stream_number == 2:
+        if stream is _core.Stream.STDERR:
             self.stderr_tails[rank].append(line)
             if self._capturing is not None:
                 self._capturing[rank].append(line)

@@ -18,10 +18,11 @@ import sys
 import unicodedata
 from typing import Protocol, TextIO
 
+from .._core import Stream
 from .terminal_text import printable
 
-# (rank, stream number: 1 stdout, 2 stderr)
-Key = tuple[int, int]
+# (rank, the rank's stream): its lines go to the caller's stream of the same name.
+Key = tuple[int, Stream]
 
 
 class View(Protocol):
@@ -70,45 +71,51 @@ def visible(text: str) -> str:
     return "".join(piece if index % 2 else printable(piece, keep="\t") for index, piece in enumerate(pieces))
 
 
-def caller_surface(stream_number: int = 1) -> str:
+def caller_surface(stream: Stream = Stream.STDOUT) -> str:
     """What the caller's stdout (or stderr) is: "notebook", "terminal" or "plain" (a file or a pipe)."""
-    return _kind(_stream(stream_number))
+    return _kind(_stream(stream))
 
 
-def views_for_streams(labels: list[str]) -> dict[int, View]:
-    """One view per stream number of the caller's sys.stdout and sys.stderr, shared where
-    both are of one kind (so a terminal has one block, a cell one display); files and pipes
-    share one only when both streams go to the same one (2>&1), where a line left open on
-    one stream must be ended before the other writes."""
-    kinds = {number: _kind(_stream(number)) for number in (1, 2)}
-    if kinds[1] == kinds[2] == "plain" and not _same_destination(sys.stdout, sys.stderr):
-        return {1: PlainView(labels), 2: PlainView(labels)}
+def views_for_streams(labels: list[str]) -> dict[Stream, View]:
+    """One view per stream of the caller's, sys.stdout and sys.stderr, shared where both are of
+    one kind (so a terminal has one block, a cell one display); files and pipes share one only
+    when both streams go to the same one (2>&1), where a line left open on one stream must be
+    ended before the other writes."""
+    kinds = {stream: _kind(_stream(stream)) for stream in Stream}
+    if kinds[Stream.STDOUT] == kinds[Stream.STDERR] == "plain" and not _same_destination(sys.stdout, sys.stderr):
+        return {stream: PlainView(labels) for stream in Stream}
     made: dict[str, View] = {}
     for kind in set(kinds.values()):
         if kind == "terminal":
-            made[kind] = TerminalView(labels, block_stream=2 if kinds[2] == "terminal" else 1)
+            made[kind] = TerminalView(labels, block_stream=terminal_block_stream())
         elif kind == "notebook":
             made[kind] = NotebookView(labels)
         else:
             made[kind] = PlainView(labels)
-    return {number: made[kind] for number, kind in kinds.items()}
+    return {stream: made[kind] for stream, kind in kinds.items()}
 
 
-def _stream(number: int) -> TextIO:
+def terminal_block_stream() -> Stream:
+    """The caller's stream that a terminal's live block is drawn on: stderr where it is the
+    terminal, so that stdout, redirected, gets lines alone."""
+    return Stream.STDERR if caller_surface(Stream.STDERR) == "terminal" else Stream.STDOUT
+
+
+def _stream(stream: Stream) -> TextIO:
     # Looked up at every write: in Jupyter it is the cell's stream, not fd 1.
-    return sys.stdout if number == 1 else sys.stderr
+    return sys.stdout if stream is Stream.STDOUT else sys.stderr
 
 
 # The caller's streams fanrun wrote on since they were last flushed. A flush of a Jupyter stream
 # is a round trip to the kernel's IOPub thread: flushing both after every batch of the ranks'
 # output cost the caller more than the panel itself.
-_written: set[int] = set()
+_written: set[Stream] = set()
 
 
-def out(number: int) -> TextIO:
-    """The caller's stream `number`, to write on: flush_streams(written_only=True) flushes it."""
-    _written.add(number)
-    return _stream(number)
+def out(stream: Stream) -> TextIO:
+    """The caller's `stream`, to write on: flush_streams(written_only=True) flushes it."""
+    _written.add(stream)
+    return _stream(stream)
 
 
 def _kind(stream: TextIO) -> str:
@@ -133,10 +140,10 @@ def _same_destination(one: TextIO, other: TextIO) -> bool:
 def flush_streams(written_only: bool = False) -> None:
     """Flushes the caller's stdout and stderr; written_only: those fanrun wrote on since, and not
     a Jupyter cell's, which sends what it was given within its own flush interval."""
-    numbers = sorted(_written) if written_only else (1, 2)
+    streams = sorted(_written) if written_only else list(Stream)
     _written.clear()
-    for number in numbers:
-        stream = _stream(number)
+    for which in streams:
+        stream = _stream(which)
         if written_only and _kind(stream) == "notebook":
             continue
         try:
@@ -265,7 +272,7 @@ class TerminalView:
 
     gather_s = 0.0  # each line as it comes
 
-    def __init__(self, labels: list[str], block_stream: int) -> None:
+    def __init__(self, labels: list[str], block_stream: Stream) -> None:
         self._labels = labels
         self._block_stream = block_stream
         self._live: dict[Key, str] = {}

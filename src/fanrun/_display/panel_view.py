@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from .._core import Stream
 from .output_views import Key, block_home, draw_block, fit, flush_streams, out, terminal_columns
 from .panel import Panel
 from .panel_metrics import MetricFiles
@@ -22,7 +23,7 @@ METRICS_EVERY_S = 1.0
 
 
 class PanelView:
-    def __init__(self, panel: Panel, surface: str, block_stream: int = 2, metrics: MetricFiles | None = None,
+    def __init__(self, panel: Panel, surface: str, block_stream: Stream = Stream.STDERR, metrics: MetricFiles | None = None,
                  gpu_sample=None) -> None:
         self.panel = panel
         self._metrics = metrics

@@ -100,14 +100,17 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
 
 
 def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: TimeoutReport) -> None:
+    # Every line of every rank is an event here: the kinds are looked up once.
+    output, exited, timed_out = _core.EventKind.OUTPUT, _core.EventKind.RANK_EXITED, _core.EventKind.TIMED_OUT
     while True:
         events, interrupted, done = ranks.wait(mux.seconds_to_redraw(), mux.gather_s)
-        for kind, rank, stream, segment, data, exit_status in events:
-            if kind == _core.EventKind.OUTPUT:
-                mux.write(rank, stream, segment, data)
-            elif kind == _core.EventKind.RANK_EXITED:
-                mux.rank_exited(rank, *exit_status)
-            elif kind == _core.EventKind.TIMED_OUT:
+        for event in events:
+            kind = event.kind
+            if kind is output:
+                mux.write(event.rank, event.stream, event.segment, event.data)
+            elif kind is exited:
+                mux.rank_exited(event.rank, event.exit_code, event.signal)
+            elif kind is timed_out:
                 # The stack-dump signal is out and the ranks still run: from here, stderr is
                 # kept, and what stands in the way of a dump can still be seen.
                 timeout_report.start(ranks, mux)

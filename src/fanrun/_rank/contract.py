@@ -2,7 +2,7 @@
 every rank, and the messages a rank sends the engine on its control channel.
 
 The engine's half is cpp/include/fanrun/run_contract.h, which fanrun._core hands over as its
-CONTROL_* constants and its EventKind, SegmentKind and StopReason enums;
+CONTROL_* constants and its EventKind, Stream, SegmentKind and StopReason enums;
 tests/test_run_contract.py holds the two halves equal. A rank's worker loads this file by
 path, before anything else: it imports the standard library alone.
 """
@@ -83,3 +83,8 @@ SPARE_READY = "ready"
 # From a rank that was a spare, after CONTROL_DONE: "my output is flushed, my stdout and stderr
 # are no longer the call's, and I wait on my control channel for another call".
 CONTROL_KEPT = "kept"
+
+# A rank's output streams, numbered as their descriptors: the engine reports each piece of
+# output with one of them (fanrun._core.Stream, whose STDOUT and STDERR equal these).
+STDOUT = 1
+STDERR = 2

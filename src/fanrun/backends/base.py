@@ -15,8 +15,9 @@ KILL_GRACE_S = 5.0
 STACK_DUMP_WAIT_S = 1.0
 
 
-# An event: (kind, rank, stream, segment, bytes, (exit code, signal)), as the engine reports it.
-Event = tuple[_core.EventKind, int, int, _core.SegmentKind, bytes, tuple[int, int]]
+# What a backend's ranks report, whichever backend: the engine's own events (its kind, rank,
+# stream, segment, data, exit_code and signal), ranks numbered among the whole run's.
+Event = _core.Event
 
 
 class Ranks(Protocol):

@@ -39,36 +39,30 @@ class LocalBackend:
             if keep is not None:
                 for env in envs:
                     env.append(f"{contract.ENV_KEEP_ALIVE}=1")
+            cwd = os.getcwd()
+            options = _core.SupervisorOptions(
+                ranks=[_core.RankOptions(argv=launch.program.argv, env=env, cwd=cwd, log_path=str(launch.paths.log(rank)))
+                       for rank, env in enumerate(envs)],
+                keeper_path=KEEPER,
+                timeout_s=float(launch.timeout) if launch.timeout is not None else 0.0,
+                kill_grace_s=KILL_GRACE_S,
+                stack_dump_signal=int(STACK_DUMP_SIGNAL) if launch.program.python else 0,
+                stack_dump_wait_s=STACK_DUMP_WAIT_S,
+                wakeup_fd=launch.wakeup_fd,
+                expect_done=launch.expect_done,
+            )
             rendezvous.release_port_for_ranks()
             warm = launch.warm and launch.program.python
             spares = _spares_for(plan, keep, warm)
-
-            def start(spares: list):
-                return _core.Supervisor.start(
-                    argvs=[launch.program.argv] * plan.world_size,
-                    envs=envs,
-                    cwd=os.getcwd(),
-                    log_paths=[str(launch.paths.log(r)) for r in range(plan.world_size)],
-                    timeout_s=float(launch.timeout) if launch.timeout is not None else 0.0,
-                    kill_grace_s=KILL_GRACE_S,
-                    stack_dump_signal=int(STACK_DUMP_SIGNAL) if launch.program.python else 0,
-                    stack_dump_wait_s=STACK_DUMP_WAIT_S,
-                    wakeup_fd=launch.wakeup_fd,
-                    control_channel=True,
-                    expect_done=launch.expect_done,
-                    keeper=KEEPER,
-                    spares=spares,
-                )
-
             try:
-                supervisor = start(spares)
+                supervisor = _core.Supervisor.start(options, spares=spares)
             except Exception:
                 if not spares:
                     raise
                 # A spare ended between its check and its call (killed from outside): the call
                 # starts afresh, and what a fresh start cannot do is the error.
                 spare_ranks.POOL.drop()
-                supervisor = start(_spares_for(plan, keep, warm=False))
+                supervisor = _core.Supervisor.start(options, spares=_spares_for(plan, keep, warm=False))
         except BaseException:
             rendezvous.close()
             raise

@@ -100,20 +100,18 @@ class NodeAgent:
         cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else os.getcwd()
         if self._rendezvous is not None:
             self._rendezvous.release_port_for_ranks()
-        self._supervisor = _core.Supervisor.start(
-            argvs=[argv] * layout.local_world_size,
-            envs=[flatten(rank_environment(env, layout, rank, rendezvous, paths)) for rank in self._ranks],
-            cwd=cwd,
-            log_paths=[str(paths.log(rank)) for rank in self._ranks],
+        self._supervisor = _core.Supervisor.start(_core.SupervisorOptions(
+            ranks=[_core.RankOptions(argv=argv, env=flatten(rank_environment(env, layout, rank, rendezvous, paths)),
+                                     cwd=cwd, log_path=str(paths.log(rank)))
+                   for rank in self._ranks],
+            keeper_path=KEEPER,
             timeout_s=spec["timeout_s"],
             kill_grace_s=KILL_GRACE_S,
             stack_dump_signal=int(STACK_DUMP_SIGNAL) if spec["python"] else 0,
             stack_dump_wait_s=STACK_DUMP_WAIT_S,
             wakeup_fd=self._wake_read,
-            control_channel=True,
             expect_done=payload is not None,
-            keeper=KEEPER,
-        )
+        ))
         threading.Thread(target=self._pump, name="fanrun-node-pump", daemon=True).start()
         return [self._supervisor.pid(local) for local in range(layout.local_world_size)]
 
@@ -155,9 +153,11 @@ class NodeAgent:
                     supervisor.kill_and_reap()
                 elif _CANCEL in commands:
                     supervisor.cancel()
-            global_events = [(kind, rank + self._first_rank, *rest) for kind, rank, *rest in events]
+            # Pickled to the caller (_core.Event pickles), each rank renumbered among the run's.
+            global_events = [event.with_rank(event.rank + self._first_rank) if event.rank >= 0 else event
+                             for event in events]
             obstacles = {}
-            if any(kind == _core.EventKind.TIMED_OUT for kind, *_ in events):
+            if any(event.kind == _core.EventKind.TIMED_OUT for event in events):
                 for local in supervisor.ranks_running_at_timeout:
                     obstacle = stack_dump.obstacle(supervisor.pid(local), STACK_DUMP_SIGNAL)
                     if obstacle is not None:

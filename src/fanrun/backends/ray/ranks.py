@@ -187,13 +187,14 @@ class RayRanks:
     def _take_events(self, node: int, node_events: list, obstacles: dict, events: list) -> None:
         self._obstacles.update(obstacles)
         for event in node_events:
-            kind, rank = event[0], event[1]
+            kind, rank = event.kind, event.rank
             if kind == _core.EventKind.RANK_EXITED:
-                self._exits[rank] = event[5]
+                status = (event.exit_code, event.signal)
+                self._exits[rank] = status
                 # As its node's supervisor counts it: a failure, unless the run was stopping already.
-                if event[5] != (0, 0) and self.stop_reason == _core.StopReason.NONE:
+                if status != (0, 0) and self.stop_reason == _core.StopReason.NONE:
                     self._first_failure(node, rank)
-                if self._killed_from_outside_just_after_the_first_failure(rank, event[5]):
+                if self._killed_from_outside_just_after_the_first_failure(rank, status):
                     self.first_failed_rank = rank
             elif kind == _core.EventKind.RANK_FAILED:
                 self._first_failure(node, rank)
