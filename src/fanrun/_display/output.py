@@ -31,6 +31,10 @@ TAIL_LINES = 40
 # no newline: shown whole, it would cost the caller as much memory, and a notebook its browser.
 SHOWN_LINE_CHARS = 64 * 1024
 
+# Every line of every rank passes through OutputMux.write: the names it compares with, looked up once.
+_PROGRESS, _PARTIAL = _core.SegmentKind.PROGRESS, _core.SegmentKind.PARTIAL
+_STDERR = _core.Stream.STDERR
+
 
 def default_display() -> str | None:
     """$FANRUN_DISPLAY: a user's choice for every call that does not pass display=."""
@@ -78,21 +82,21 @@ class OutputMux:
         key = (rank, stream)
         view = self._views[stream]
         now = time.monotonic()
-        if segment == _core.SegmentKind.PROGRESS:
+        if segment is _PROGRESS:
             self._lines.pop(key, None)  # the line is redrawn from its start
             view.progress(key, _LineShown().add(data, final=True), now)
             return
         shown = self._lines.pop(key, None) or _LineShown()
-        if segment == _core.SegmentKind.PARTIAL:
+        if segment is _PARTIAL:
             self._lines[key] = shown
             piece = shown.add(data)
             if piece:
                 view.partial(key, piece, shown.text, now)
             return
         end = shown.add(data, final=True)
-        note = shown.left_out_note(contract.log_name(rank))
+        note = shown.left_out_note(rank)
         rest, line = end + note, shown.text + note
-        if stream is _core.Stream.STDERR:
+        if stream is _STDERR:
             self.stderr_tails[rank].append(line)
             if self._capturing is not None:
                 self._capturing[rank].append(line)
@@ -147,14 +151,20 @@ class _LineShown:
     counted. A character whose bytes two pieces split is decoded whole."""
 
     def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        # Made for a line that comes in pieces; one that comes whole, as most do, is decoded at once.
+        self._decoder: codecs.IncrementalDecoder | None = None
         self._taken = 0  # characters of the line shown, counted before visible() took any out
         self.left_out = 0  # characters of the line not shown
         self.text = ""  # all of the line shown so far
 
     def add(self, data: bytes, final: bool = False) -> str:
         """What `data` adds to the line, as shown; final: the line ends with it."""
-        decoded = self._decoder.decode(data, final)
+        if final and self._decoder is None:
+            decoded = data.decode("utf-8", "replace")
+        else:
+            if self._decoder is None:
+                self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            decoded = self._decoder.decode(data, final)
         taken = decoded[:max(SHOWN_LINE_CHARS - self._taken, 0)]
         self._taken += len(taken)
         self.left_out += len(decoded) - len(taken)
@@ -162,8 +172,9 @@ class _LineShown:
         self.text += piece  # at most SHOWN_LINE_CHARS, in few pieces: the engine's are 64 KiB or time apart
         return piece
 
-    def left_out_note(self, log_name: str) -> str:
-        """Said at the end of a line cut short; nothing for a line shown whole."""
+    def left_out_note(self, rank: int) -> str:
+        """Said at the end of a line of `rank` cut short; nothing for a line shown whole."""
         if not self.left_out:
             return ""
-        return f" [... {self.left_out:,} more characters: {log_name} in the run's directory holds the whole line]"
+        return (f" [... {self.left_out:,} more characters: {contract.log_name(rank)} in the run's directory holds "
+                f"the whole line]")
