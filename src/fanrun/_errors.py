@@ -160,7 +160,44 @@ class ExecutableNotFoundError(FileNotFoundError, FanrunError):
 
 
 class EngineOSError(OSError, FanrunError):
-    """A system call failed in the engine."""
+    """A system call failed in the engine. Where the engine knows its errno, the error is also
+    the OSError subclass Python raises for that errno (engine_os_error), with errno set."""
+
+    def __reduce__(self):
+        # The errno travels too, and with it the subclass of OSError the error was raised as.
+        return _rebuild_engine_os_error, (self.errno, self.args, self.__dict__)
+
+
+def engine_os_error(errnum: int, message: str) -> EngineOSError:
+    """A system call of the engine's that failed with `errnum`, as fanrun._core raises it: as
+    Python raises its own (a FileNotFoundError for ENOENT, a PermissionError for EACCES) with
+    its errno, and as an EngineOSError, so that `except FileNotFoundError` and `except
+    EngineOSError` both catch it. Its text is the engine's message alone."""
+    error = _engine_os_error_type(errnum)(message)
+    error.errno = errnum
+    return error
+
+
+# The builtin subclass of OSError that Python picks for an errno -> the EngineOSError that is one too.
+_ENGINE_OS_ERRORS: dict[type[OSError], type[EngineOSError]] = {OSError: EngineOSError}
+
+
+def _engine_os_error_type(errnum: int) -> type[EngineOSError]:
+    builtin = type(OSError(errnum, ""))  # OSError() itself picks the subclass of an errno
+    made = _ENGINE_OS_ERRORS.get(builtin)
+    if made is None:
+        made = _ENGINE_OS_ERRORS[builtin] = type(f"Engine{builtin.__name__}", (EngineOSError, builtin), {
+            "__module__": __name__, "__doc__": f"An EngineOSError that is a {builtin.__name__} (engine_os_error)."})
+    return made
+
+
+def _rebuild_engine_os_error(errnum: int | None, args: tuple, state: dict) -> EngineOSError:
+    cls = _engine_os_error_type(errnum) if errnum else EngineOSError
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.errno = errnum
+    error.__dict__.update(state)
+    return error
 
 
 class UnsafePathError(PermissionError, FanrunError):

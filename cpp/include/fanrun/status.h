@@ -19,6 +19,7 @@ enum class StatusCode {
   kIOError,       // a system call failed
   kInternal,      // an invariant of the engine did not hold
   kDataLoss,      // stored data is damaged: a checksum does not match, a file is short
+  kUnsafePath,    // a file or directory fanrun would use is not its user's alone (private_dir.h)
 };
 
 namespace internal {
@@ -48,7 +49,9 @@ std::string StrCat(const Args&... args) {
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  // errnum: the errno of the system call that failed, where one did (kIOError); 0 otherwise.
+  Status(StatusCode code, std::string message, int errnum = 0)
+      : code_(code), message_(std::move(message)), errnum_(errnum) {}
 
   static Status OK() { return Status(); }
   template <typename... Args>
@@ -71,23 +74,30 @@ class [[nodiscard]] Status {
   static Status IOError(Args&&... args) {
     return Status(StatusCode::kIOError, internal::StrCat(args...));
   }
-  // Call with the errno captured right where the failure happened.
+  // Call with the errno captured right where the failure happened; the status keeps it.
   template <typename... Args>
   static Status IOErrorFromErrno(int errnum, Args&&... args) {
-    return Status(StatusCode::kIOError,
-                  internal::StrCat(args..., ": ", ErrnoMessage(errnum)));
+    return Status(StatusCode::kIOError, internal::StrCat(args..., ": ", ErrnoMessage(errnum)), errnum);
   }
+  template <typename... Args>
+  static Status UnsafePath(Args&&... args) {
+    return Status(StatusCode::kUnsafePath, internal::StrCat(args...));
+  }
+  // "No such file or directory (errno 2)": how a message names the errno of a failure.
+  static std::string ErrnoMessage(int errnum);
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
   const std::string& message() const { return message_; }
+  int errnum() const { return errnum_; }
+  // The same failure, told with another message: its code and errno kept.
+  Status WithMessage(std::string message) const { return Status(code_, std::move(message), errnum_); }
   std::string ToString() const;
 
  private:
-  static std::string ErrnoMessage(int errnum);
-
   StatusCode code_ = StatusCode::kOk;
   std::string message_;
+  int errnum_ = 0;
 };
 
 template <typename T>

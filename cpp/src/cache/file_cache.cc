@@ -161,17 +161,14 @@ Result<std::unique_ptr<FileCache>> FileCache::Open(CacheOptions options, Fetcher
   if (options.dir.empty()) return Status::Invalid("The cache directory must be given");
   if (options.threads < 1) return Status::Invalid("A cache needs at least one thread, not ", options.threads);
   if (options.attempts < 1) return Status::Invalid("A fetch needs at least one attempt, not ", options.attempts);
-  Result<PrivateDirectory> root = OpenPrivateDirectory(options.dir);
-  if (!root.ok()) {
-    return Status(root.status().code(), internal::StrCat("Cannot use the cache directory '", options.dir, "': ",
-                                                         root.status().message(),
-                                                         ". Use a directory that belongs to you and only you can write"));
-  }
-  Directories dirs{std::move(root).ValueOrDie(), {}, {}, {}, {}};
-  FANRUN_ASSIGN_OR_RETURN(dirs.files, OpenPrivateSubdirectory(dirs.root, "files"));
-  FANRUN_ASSIGN_OR_RETURN(dirs.partial, OpenPrivateSubdirectory(dirs.root, "partial"));
-  FANRUN_ASSIGN_OR_RETURN(dirs.locks, OpenPrivateSubdirectory(dirs.root, "locks"));
-  FANRUN_ASSIGN_OR_RETURN(dirs.records, OpenPrivateSubdirectory(dirs.root, "records"));
+  const DirectoryDescription described{"The cache directory",
+                                       "Use a directory that belongs to you and that only you can write."};
+  FANRUN_ASSIGN_OR_RETURN(PrivateDirectory root, OpenPrivateDirectory(options.dir, described));
+  Directories dirs{std::move(root), {}, {}, {}, {}};
+  FANRUN_ASSIGN_OR_RETURN(dirs.files, OpenPrivateSubdirectory(dirs.root, "files", described));
+  FANRUN_ASSIGN_OR_RETURN(dirs.partial, OpenPrivateSubdirectory(dirs.root, "partial", described));
+  FANRUN_ASSIGN_OR_RETURN(dirs.locks, OpenPrivateSubdirectory(dirs.root, "locks", described));
+  FANRUN_ASSIGN_OR_RETURN(dirs.records, OpenPrivateSubdirectory(dirs.root, "records", described));
   // The usage file sits in the directory the caller named, where a link may be the caller's
   // own: refused, neither followed nor removed.
   const int usage = ::openat(dirs.root.fd.fd(), "usage", O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);

@@ -20,6 +20,7 @@ std::string Status::ToString() const {
     case StatusCode::kIOError: return "IO error: " + message_;
     case StatusCode::kInternal: return "Internal: " + message_;
     case StatusCode::kDataLoss: return "Data loss: " + message_;
+    case StatusCode::kUnsafePath: return "Unsafe path: " + message_;
   }
   return message_;
 }

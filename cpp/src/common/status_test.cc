@@ -30,6 +30,11 @@ TEST(StatusTest, ErrnoMessageNamesTheCause) {
   EXPECT_EQ(st.code(), StatusCode::kIOError);
   EXPECT_NE(st.message().find("Failed to open '/x'"), std::string::npos);
   EXPECT_NE(st.message().find("No such file or directory"), std::string::npos);
+  EXPECT_EQ(st.errnum(), ENOENT);
+  const Status retold = st.WithMessage("Cannot use '/x': " + st.message());
+  EXPECT_EQ(retold.code(), StatusCode::kIOError);
+  EXPECT_EQ(retold.errnum(), ENOENT);
+  EXPECT_EQ(Status::IOError("no call failed").errnum(), 0);
 }
 
 TEST(ResultTest, PropagatesThroughMacros) {
