@@ -93,10 +93,11 @@ def open_private(dir_fd: int, name: str, flags: int) -> int:
         raise
 
 
-def replace_private(dir_fd: int, name: str, *chunks: bytes) -> None:
+def replace_private(dir_fd: int, name: str, *chunks: bytes, sync: bool = True) -> None:
     """Writes the file `name` in the directory `dir_fd` whole or not at all: 0600, under a
-    temporary name of its own, fsynced, then renamed into place. A reader sees the old file or
-    the new one, and writers in several processes never mix."""
+    temporary name of its own, fsynced (unless `sync` is False: a file that need not outlive a
+    crash of the machine), then renamed into place. A reader sees the old file or the new one,
+    and writers in several processes never mix."""
     temporary = f".{name}.{os.getpid()}.{secrets.token_hex(3)}"
     fd = open_private(dir_fd, temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
@@ -105,7 +106,8 @@ def replace_private(dir_fd: int, name: str, *chunks: bytes) -> None:
                 written = 0
                 while written < len(view):
                     written += os.write(fd, view[written:])
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except BaseException:
         os.unlink(temporary, dir_fd=dir_fd)
         raise
