@@ -320,7 +320,7 @@ def test_fanrun_stacks_on_a_damaged_ranks_json_says_what_is_wrong(runs_root, tmp
     run = records.RunRecord.create("damaged", kind=records.BLOCKING, world_size=1, owner=True)
     attempt = RunPaths.create("damaged", run_id=run.id)
     try:
-        run.attempt(attempt)
+        run.attempt(attempt.directory)
         directory = attempt.directory
         if record == b"link":
             # A valid record elsewhere, naming a process that is not a rank: never followed, never signalled.

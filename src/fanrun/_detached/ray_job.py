@@ -27,10 +27,10 @@ STATUS = {"PENDING": records.QUEUED, "RUNNING": records.RUNNING, "SUCCEEDED": re
 
 
 def submit(record: RunRecord, workload, *, address: str, cwd: str) -> None:
-    """Submits the workload as the job of the run of `record`, with the run's id as its id."""
+    """Submits the workload as the job of the run of `record` (made with its cluster's address,
+    ray_job={"address": ...}), with the run's id as its id."""
     fields = json.dumps(workload.fields)  # the file's own values: YAML scalars, lists and mappings
     entrypoint = f"python -m fanrun._detached.ray_driver {base64.urlsafe_b64encode(fields.encode()).decode()}"
-    record.update(ray_job={"address": address})
     try:
         job_client(address).submit_job(entrypoint=entrypoint, submission_id=record.id,
                                        runtime_env={"working_dir": cwd}, metadata={"fanrun_run": workload.name})

@@ -193,7 +193,7 @@ def submit(spec: CallSpec, *, cwd: str, idempotency_key: str | None = None) -> R
 def submit_to_ray(workload, *, cwd: str, ray_address: str, idempotency_key: str | None = None) -> Run:
     """Submits a workload of more than one node as a job to the Ray cluster at `ray_address` (its
     dashboard's), as submit() does for this machine."""
-    record = _created(workload.name, None)
+    record = _created(workload.name, None, ray_job={"address": ray_address})
     claimed = _claimed_by(idempotency_key, record)
     if claimed is not None:
         return claimed
@@ -201,8 +201,8 @@ def submit_to_ray(workload, *, cwd: str, ray_address: str, idempotency_key: str 
     return Run(record.id)
 
 
-def _created(name: str, world_size: int | None) -> RunRecord:
-    return RunRecord.create(name, kind=records.DETACHED, world_size=world_size, owner=False)
+def _created(name: str, world_size: int | None, **fields: object) -> RunRecord:
+    return RunRecord.create(name, kind=records.DETACHED, world_size=world_size, owner=False, **fields)
 
 
 def _claimed_by(idempotency_key: str | None, record: RunRecord) -> Run | None:

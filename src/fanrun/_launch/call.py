@@ -84,7 +84,7 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
             # One run directory, for the launcher and for tracking, which uploads its logs.
             with RunPaths.create(spec.name, run_id=record.id) as paths:
                 tracked.paths = paths
-                record.attempt(paths)
+                record.attempt(paths.directory)
                 restarts = {contract.ENV_RESTART_COUNT: str(attempt),
                             contract.ENV_MAX_RESTARTS: str(spec.options.max_restarts)}
                 return attempt_run.run(spec, paths, extra_env={**spec.env, **tracked.rank_env, **restarts},

@@ -3,27 +3,36 @@ its own under <runs root>/records, private to its user (0700, like the runs root
 directory's name is the run's id, the one it is known by everywhere: printed as it starts, and
 taken by `fanrun stacks`, `list`, `logs`, `attach`, `cancel`, fanrun.Run and fanrun.runs().
 
-    state.json    QUEUED, RUNNING, FINISHED, FAILED or KILLED, and when (created, started, ended);
-                  its kind (blocking or detached), name, world size, the reason it failed, and
-                  each attempt's run directory (_spec/paths.py); replaced atomically
+A record is written once and added to, never rewritten: each file is made whole under a name of
+its own and linked into place (_private_dir.create_private), so that its end is recorded once, by
+whoever ends it first, and a blocking call pays for no rewritten file:
+
+    state.json    written as the record is made: QUEUED, its kind (blocking or detached), name,
+                  world size, when it was made (created), and a Ray job's cluster
+    attempt-N.json  each attempt (N from 0), once its GPUs are held: its run directory
+                  (_spec/paths.py) and when it started; the run is RUNNING from the first
+    end.json      FINISHED, FAILED or KILLED, when (ended), and the reason's first line
     runner.json   the process that runs the call (a blocking call's caller, a detached run's
                   runner): its pid and start time, which tell it from a later process with its
                   pid. That process holds it locked (flock) for as long as it runs the call
     outcome.pkl   a detached run's results, or the exception a blocking call would have raised
 
-A detached run's record also holds what only a detached run has (_detached/files.py).
+A detached run's record also holds what only a detached run has (_detached/files.py). read_state()
+gives the whole record as one dict: state.json's fields, then the attempts' (status RUNNING,
+started, run_dir, run_dirs), then the end's.
 
 A record whose files cannot be read as fanrun writes them (not JSON, not its fields, a link, a
 file where a directory should be) is damaged: reading it raises DamagedRunError, which names what
-is wrong, and the other records are read as ever. A run of a Ray job (_detached/ray_job.py) has
-state.json alone, naming the cluster, until it has ended.
+is wrong, and the other records are read as ever.
 
-A record whose state is not final but whose runner is gone (or no longer holds it) is marked
-FAILED, with the reason, by whoever reads its state first: a crash at any point, a caller killed
-by SIGKILL included, never leaves a run that claims to run.
+A record that has not ended but whose runner is gone (or no longer holds it) is ended FAILED, with
+the reason, by whoever reads it first: a crash at any point, a caller killed by SIGKILL included,
+never leaves a run that claims to run. A run of a Ray job (_detached/ray_job.py) is the cluster's
+to tell, until it has ended.
 
 Each new record prunes the records beyond the newest KEEP_RECORDS that have ended, so that a
-notebook calling 10,000 times keeps 100; never one whose runner holds it, and never a damaged one.
+notebook calling 10,000 times keeps 100 (in a thread, which the call does not wait for): never
+one whose runner holds it, never a damaged one.
 """
 
 from __future__ import annotations
@@ -39,13 +48,14 @@ import secrets
 import shutil
 import stat
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from .._errors import FanrunError, UnknownRunError
-from .._private_dir import open_private, open_private_subdir, replace_private
-from .._spec.paths import RunPaths, open_run_directory, open_runs_root
+from .._private_dir import create_private, open_private, open_private_subdir, replace_private
+from .._spec.paths import open_run_directory, open_runs_root
 from .file_changes import FileChanges
 
 QUEUED, RUNNING, FINISHED, FAILED, KILLED = "QUEUED", "RUNNING", "FINISHED", "FAILED", "KILLED"
@@ -56,8 +66,10 @@ BLOCKING, DETACHED = "blocking", "detached"
 
 FOLDER = "records"
 STATE = "state.json"
+END = "end.json"
 RUNNER = "runner.json"
 OUTCOME = "outcome.pkl"
+_ATTEMPT = re.compile(r"attempt-(\d{1,6})\.json")
 # Records that have ended beyond the newest this many are removed when a new one is made.
 KEEP_RECORDS = 100
 # The errors of a disk (or a quota) that has no room left.
@@ -94,30 +106,34 @@ def root() -> tuple[Path, int]:
 class RunRecord:
     """The record of one run, in its directory; `id` is the run's id."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, kind: str | None = None) -> None:
         self.directory = directory
         self.id = directory.name
+        self._kind = kind  # read from state.json where it is needed, and not known yet
+        self._attempts: int | None = None  # the attempts recorded, where this process counted them
         self._hold = -1  # runner.json, locked, while this process runs the call (create(owner=True), own())
 
     # ------------------------------------------------------------ making and finding
 
     @classmethod
-    def create(cls, name: str, *, kind: str, world_size: int | None, owner: bool) -> RunRecord:
-        """A new record, QUEUED; with `owner`, this process is its runner from now on. Records
-        beyond the newest KEEP_RECORDS that have ended are pruned."""
+    def create(cls, name: str, *, kind: str, world_size: int | None, owner: bool, **fields: object) -> RunRecord:
+        """A new record, QUEUED, with `fields` in its state.json (a Ray job's cluster); with
+        `owner`, this process is its runner from now on. Records beyond the newest KEEP_RECORDS
+        that have ended are pruned."""
         parent, parent_fd = root()
         try:
             making, run_id = _make_directory(parent_fd, name)
-            record = cls(parent / run_id)
+            record = cls(parent / run_id, kind)
+            record._attempts = 0
             dir_fd = os.open(making, _DIRECTORY_FLAGS, dir_fd=parent_fd)
             try:
                 os.fchmod(dir_fd, 0o700)  # whatever the umask
                 if owner:
-                    record._hold = _hold_runner(dir_fd)
-                state = {"status": QUEUED, "kind": kind, "name": name, "created": time.time()}
+                    record._hold = _hold_runner(dir_fd, seen=False)
+                state = {"status": QUEUED, "kind": kind, "name": name, "created": time.time(), **fields}
                 if world_size is not None:
                     state["world_size"] = world_size
-                replace_private(dir_fd, STATE, json.dumps(state).encode(), sync=kind == DETACHED)
+                _write_new(dir_fd, STATE, json.dumps(state).encode(), sync=record._durable())
                 os.rename(making, run_id, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
             except BaseException:
                 record.release()
@@ -125,7 +141,7 @@ class RunRecord:
                 raise
             finally:
                 os.close(dir_fd)
-            _prune(parent, parent_fd, KEEP_RECORDS)
+            _prune_soon(parent, parent_fd)
             return record
         finally:
             os.close(parent_fd)
@@ -146,9 +162,15 @@ class RunRecord:
         return record
 
     def own(self) -> None:
-        """This process runs the call from now on (a detached run's runner, once it has started)."""
+        """This process runs the call from now on (a detached run's runner, once it has started);
+        FanrunError where the run has ended already (a runner so slow to start that a reader
+        ended it FAILED)."""
         with self._opened() as dir_fd:
-            self._hold = _hold_runner(dir_fd)
+            self._hold = _hold_runner(dir_fd, seen=True)
+        state = self.read_state() or {}
+        if state.get("status") in FINAL:
+            self.release()
+            raise FanrunError(f"run {self.id} ended {state['status']} before its runner started: {state.get('reason')}")
 
     def release(self) -> None:
         """This process no longer runs the call: from now on, the record may be pruned."""
@@ -165,31 +187,31 @@ class RunRecord:
 
     # ------------------------------------------------------------ the run's course
 
-    def attempt(self, paths: RunPaths) -> None:
-        """An attempt of the call runs in `paths`' directory, its GPUs held: RUNNING from now on.
-        On a full disk the record stays as it was, and the run goes on."""
+    def attempt(self, run_dir: Path) -> None:
+        """An attempt of the call runs in `run_dir`, its GPUs held: RUNNING from now on. On a full
+        disk the record stays as it was, and the run goes on."""
+        with self._opened() as dir_fd:
+            if self._attempts is None:
+                self._attempts = sum(1 for name in os.listdir(dir_fd) if _ATTEMPT.fullmatch(name))
+            attempt = {"run_dir": str(run_dir), "started": time.time()}
+            try:
+                create_private(dir_fd, f"attempt-{self._attempts}.json", json.dumps(attempt).encode(),
+                               sync=self._durable())
+            except OSError as error:
+                if error.errno not in NO_ROOM:
+                    raise
+            self._attempts += 1
+
+    def end(self, status: str, reason: str = "") -> bool:
+        """Records the run's end; False where another was recorded first (a reader that found the
+        runner gone), which stays."""
+        end = {"status": status, "ended": time.time(), "reason": reason}
         try:
-            current = self.read_state() or {}
-            run_dirs = [*current.get("run_dirs", []), str(paths.directory)]
-            self._write_state({**current, "status": RUNNING, "started": current.get("started") or time.time(),
-                               "run_dir": run_dirs[-1], "run_dirs": run_dirs})
-        except OSError as error:
-            if error.errno not in NO_ROOM:
-                raise
-
-    def end(self, status: str, reason: str = "") -> None:
-        self.update(status=status, ended=time.time(), reason=reason)
-
-    def update(self, **changes: object) -> dict:
-        """Written by the runner alone once it runs (and before, by the process that made the record)."""
-        state = {**(self.read_state() or {}), **changes}
-        self._write_state(state)
-        return state
-
-    @property
-    def blocking(self) -> bool:
-        """A blocking call's, whose results went to its caller (a record without a kind is a detached run's)."""
-        return (self.read_state() or {}).get("kind") == BLOCKING
+            with self._opened() as dir_fd:
+                create_private(dir_fd, END, json.dumps(end).encode(), sync=self._durable())
+        except FileExistsError:
+            return False
+        return True
 
     # ------------------------------------------------------------ reading it
 
@@ -204,15 +226,12 @@ class RunRecord:
         reason = self._why_not_running(current)
         if reason is None:
             return current
-        # The runner may have written its final state just before it ended.
-        current = self.read_state() or current
-        if current["status"] in FINAL:
-            return current
-        marked = {**current, "status": FAILED, "reason": reason, "ended": time.time()}
         try:
-            return self.update(status=FAILED, reason=reason, ended=marked["ended"])
+            self.end(FAILED, reason)  # unless the runner, or another reader, recorded an end just before
         except OSError:
-            return marked  # a full or read-only disk: the next reader marks it
+            # A full or read-only disk: the next reader marks it.
+            return {**current, "status": FAILED, "reason": reason, "ended": time.time()}
+        return self.read_state() or current
 
     def _why_not_running(self, current: dict) -> str | None:
         """None while the runner runs the call (or, for a while, is being started); else why it does not."""
@@ -247,8 +266,26 @@ class RunRecord:
             os.close(fd)
 
     def read_state(self) -> dict | None:
-        """state.json, checked (DamagedRunError where it is not as fanrun writes it); None if missing."""
-        return self._read_checked(STATE, _check_state)
+        """The record as it is on disk, as one dict: state.json's fields, then its attempts' (status
+        RUNNING, started, run_dir, run_dirs), then its end's. Each file is checked (DamagedRunError
+        where one is not as fanrun writes it); None where state.json is missing."""
+        state = self._read_checked(STATE, _check_state)
+        if state is None:
+            return None
+        try:
+            with self._opened() as dir_fd:
+                names = os.listdir(dir_fd)
+        except OSError as error:
+            raise DamagedRunError(f"its directory cannot be listed: {error}") from None
+        numbered = sorted((int(found.group(1)), name) for name in names if (found := _ATTEMPT.fullmatch(name)))
+        attempts = [self._read_checked(name, _check_attempt) for _, name in numbered]
+        if attempts:
+            state.update(status=RUNNING, started=attempts[0]["started"], run_dir=attempts[-1]["run_dir"],
+                         run_dirs=[attempt["run_dir"] for attempt in attempts])
+        end = self._read_checked(END, _check_end) if END in names else None
+        if end is not None:
+            state.update(end)
+        return state
 
     def read_runner(self) -> dict | None:
         """runner.json, checked as state.json is."""
@@ -286,10 +323,10 @@ class RunRecord:
     def write_json(self, name: str, value: dict) -> None:
         self.write_bytes(name, json.dumps(value).encode())
 
-    def write_bytes(self, name: str, data: bytes, sync: bool = True) -> None:
-        """Replaces `name` atomically: a reader sees the old file or the new one, never a part."""
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Replaces `name` atomically, synced: a reader sees the old file or the new one, never a part."""
         with self._opened() as dir_fd:
-            replace_private(dir_fd, name, data, sync=sync)
+            replace_private(dir_fd, name, data)
 
     def read_bytes(self, name: str) -> bytes | None:
         with self._opened() as dir_fd:
@@ -317,11 +354,16 @@ class RunRecord:
         finally:
             os.close(dir_fd)
 
-    def _write_state(self, state: dict) -> None:
-        # A blocking call's record need not outlive a crash of the machine, which ends its caller
-        # too: its writes are not synced, and cost the call nothing it can measure.
-        self.write_bytes(STATE, json.dumps({**state, "updated": time.time()}).encode(),
-                         sync=state.get("kind") != BLOCKING)
+    def _durable(self) -> bool:
+        """Whether the record's files are synced as they are written: a detached run's, which must
+        outlive a crash of the machine; not a blocking call's, which such a crash ends with its
+        caller, and whose record costs the call nothing it could measure."""
+        if self._kind is None:
+            try:
+                self._kind = (self._read_checked(STATE, _check_state) or {}).get("kind", DETACHED)
+            except DamagedRunError:
+                self._kind = DETACHED
+        return self._kind != BLOCKING
 
     def _check_directory(self) -> None:
         """DamagedRunError where the record's name is a file or a link; UnknownRunError where it is gone."""
@@ -408,32 +450,103 @@ def _make_directory(parent_fd: int, name: str) -> tuple[str, str]:
         run_id = f"{safe}-{now:%Y%m%d-%H%M%S}-{now.microsecond:05x}{secrets.randbelow(16):x}"
         making = f".making-{run_id}"
         try:
-            # mkdir fails where the name exists: no run reuses an id.
+            # mkdir fails where the name exists: no two records are made under one id at once, and
+            # the rename into place fails where a record of that id exists (it is not empty).
             os.mkdir(making, 0o700, dir_fd=parent_fd)
+            return making, run_id
         except FileExistsError:
             continue
-        try:
-            os.stat(run_id, dir_fd=parent_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return making, run_id
-        os.rmdir(making, dir_fd=parent_fd)
 
 
-def _hold_runner(dir_fd: int) -> int:
-    """Writes runner.json, naming this process, locked before it is renamed into place: no reader
-    finds this process's runner.json unlocked while it runs the call. Returns the lock's descriptor."""
-    pending = f".{RUNNER}.{os.getpid()}.{secrets.token_hex(3)}"
+def _hold_runner(dir_fd: int, seen: bool) -> int:
+    """Writes runner.json, naming this process, locked before anyone can see it: in a record being
+    made, which nobody sees yet; else (`seen`) under a name of its own, then renamed into place.
+    No reader finds this process's runner.json unlocked while it runs the call. Returns the lock's
+    descriptor."""
+    pending = f".{RUNNER}.{os.getpid()}.{secrets.token_hex(3)}" if seen else RUNNER
     fd = open_private(dir_fd, pending, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else can have this new file open: never waits
         os.write(fd, json.dumps(runner_identity()).encode())
-        os.rename(pending, RUNNER, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        if seen:
+            os.rename(pending, RUNNER, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         return fd
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pending, dir_fd=dir_fd)
         raise
+
+
+def _write_new(dir_fd: int, name: str, data: bytes, sync: bool) -> None:
+    """A file of a record being made, which nobody sees yet: written in place."""
+    fd = open_private(dir_fd, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        os.write(fd, data)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune_soon(parent: Path, parent_fd: int) -> None:
+    """Prunes the folder in this process's pruning thread: removing a record costs a busy disk
+    milliseconds (the file system frees its files), which the call that made it does not wait
+    for; its ranks start meanwhile. Several records made while it prunes are pruned once, after."""
+    _PRUNER.soon(parent, parent_fd)
+
+
+def pruned() -> None:
+    """Returns once the pruning that this process asked for is done."""
+    _PRUNER.done()
+
+
+class _Pruner:
+    """One thread, started by the first record a process makes, that prunes as it is asked."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._asked: tuple[Path, int] | None = None  # the folder, and a descriptor of it that the thread closes
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        # A child forked by the caller's own code has no thread, and may have been forked while
+        # the thread held the lock: it starts afresh.
+        os.register_at_fork(after_in_child=self.__init__)
+
+    def soon(self, parent: Path, parent_fd: int) -> None:
+        fd = os.dup(parent_fd)  # the folder that root() checked, not its path again
+        with self._changed:
+            if self._asked is not None:
+                os.close(self._asked[1])
+            self._asked = (parent, fd)
+            if self._thread is None or not self._thread.is_alive():  # the first, or the first since a fork
+                self._busy = False
+                self._thread = threading.Thread(target=self._run, name="fanrun-prune-records", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def done(self) -> None:
+        with self._changed:
+            while self._asked is not None or self._busy:
+                self._changed.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()
+                while self._asked is None:
+                    self._changed.wait()
+                (parent, fd), self._asked, self._busy = self._asked, None, True
+            try:
+                _prune(parent, fd, KEEP_RECORDS)
+            except OSError:
+                pass  # the folder is gone or unreadable now: the next record's pruning tries again
+            finally:
+                os.close(fd)
+
+
+_PRUNER = _Pruner()
 
 
 def _prune(parent: Path, parent_fd: int, keep: int) -> None:
@@ -519,12 +632,27 @@ def _check_state(value: dict) -> str | None:
     size = value.get("world_size")
     if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
         return "its world_size is not a count of ranks"
-    run_dirs = value.get("run_dirs", [])
-    if not (isinstance(run_dirs, list) and all(isinstance(path, str) for path in run_dirs)):
-        return "its run_dirs is not a list of directories"
     job = value.get("ray_job")
     if job is not None and not (isinstance(job, dict) and isinstance(job.get("address"), str)):
         return "its ray_job names no address"
+    return None
+
+
+def _check_attempt(value: dict) -> str | None:
+    if not isinstance(value.get("run_dir"), str):
+        return "it names no run directory"
+    if not _is_number(value.get("started")):
+        return "its started is not a time"
+    return None
+
+
+def _check_end(value: dict) -> str | None:
+    if value.get("status") not in FINAL:
+        return f"its status is none of {', '.join(FINAL)}"
+    if not _is_number(value.get("ended")):
+        return "its ended is not a time"
+    if not isinstance(value.get("reason"), str):
+        return "its reason is not text"
     return None
 
 
