@@ -559,4 +559,5 @@ def test_everything_written_is_private_whatever_the_umask(runs_dir, monkeypatch)
     # The runs' records (_launch/records.py): the folder, each run's, and their files.
     kept = sorted((root / "records").iterdir())
     assert mode(root / "records") == 0o700 and [mode(record) for record in kept] == [0o700, 0o700]
-    assert [{p.name: mode(p) for p in record.iterdir()} for record in kept] == [{"state.json": 0o600, "runner.json": 0o600}] * 2
+    files = {name: 0o600 for name in ("state.json", "runner.json", "attempt-0.json", "end.json")}
+    assert [{p.name: mode(p) for p in record.iterdir()} for record in kept] == [files] * 2

@@ -21,7 +21,6 @@ import pytest
 import fanrun
 from fanrun import distributed
 from fanrun._launch import records
-from fanrun._spec.paths import RunPaths
 from processes import wait_gone
 
 RUN_ID = re.compile(r"[\w.-]+-\d{8}-\d{6}-[0-9a-f]{6}")

@@ -16,6 +16,7 @@ import json
 import sys
 from .._errors import FanrunError
 from .._launch import records
+from .._launch.record_files import OUTCOME
 from .._launch.records import RunRecord
 from ..backends.ray.jobs import job_client
 
@@ -93,13 +94,13 @@ class RayJob:
         """outcome.pkl's bytes, from the driver's last line; recorded here once read. Run.result()
         unpickles them: the cluster is trusted with that as the Ray backend trusts it with every
         call's results, and as it is trusted to run the workload at all."""
-        data = self.record.read_bytes(records.OUTCOME)
+        data = self.record.read_bytes(OUTCOME)
         if data is not None:
             return data
         for line in reversed(self._call("get_job_logs").splitlines()):
             if line.startswith(OUTCOME_MARK):
                 data = base64.b64decode(line[len(OUTCOME_MARK):])
-                self.record.write_bytes(records.OUTCOME, data)
+                self.record.write_bytes(OUTCOME, data)
                 return data
         return None
 

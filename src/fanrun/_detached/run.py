@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from .._errors import FanrunError, RemoteTraceback, RunCancelledError, UnknownRunError
-from .._launch import rank_logs, records
-from .._launch.records import FINAL, DamagedRunError, RunRecord
+from .._launch import rank_logs, record_watch, records
+from .._launch.record_files import FINAL, OUTCOME, DamagedRunError
+from .._launch.records import RunRecord
 from .._private_dir import open_private
 from .._display.terminal_text import printable
 from .._spec.spec import CallSpec
@@ -90,7 +91,7 @@ class Run:
         if self._job is not None:
             return self._job.wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        status = self._record.wait(timeout)
+        status = record_watch.wait(self._record, timeout)
         runner = None if self._blocking or status not in FINAL else self._record.read_runner()
         if runner is not None:
             # Its runner ends soon after the run, once its readers have had the output's end.
@@ -103,13 +104,13 @@ class Run:
         to its caller: FanrunError, which says so."""
         if self._blocking:
             raise FanrunError(f"run {self.id} is a blocking call, whose results went to its caller "
-                              f"({self._caller()}) as .distributed() returned them; fanrun keeps none. "
+                              f"(pid {self._caller_pid()}) as the call returned them; fanrun keeps none. "
                               f"Run.result() gives a detached run's: @distributed(detach=True), or `fanrun submit`")
         status = self.wait(timeout)
         if status not in FINAL:
             waited = "its runner is still starting" if timeout is None else f"after {timeout:g} s"
             raise TimeoutError(f"run {self.id} is still {status}: {waited}")
-        data = self._job.outcome() if self._job is not None else self._record.read_bytes(records.OUTCOME)
+        data = self._job.outcome() if self._job is not None else self._record.read_bytes(OUTCOME)
         if data is None:
             raise FanrunError(f"run {self.id} ended {status} without an outcome: {self._reason()}")
         outcome = pickle.loads(data)
@@ -136,9 +137,8 @@ class Run:
             status = self.status
             if status in FINAL:
                 return status
-            caller = self._caller()
-            pid = caller.split()[1] if caller.startswith("pid ") else "PID"
-            raise FanrunError(f"run {self.id} is a blocking call, run by its caller ({caller}), which waits for its "
+            pid = self._caller_pid()
+            raise FanrunError(f"run {self.id} is a blocking call, run by its caller (pid {pid}), which waits for its "
                               f"results: stop it there, with Ctrl+C (in a notebook, interrupt the kernel), or from "
                               f"a shell with `kill -INT {pid}`, which stops its ranks as Ctrl+C does")
         runner = self._record.read_runner()
@@ -151,9 +151,9 @@ class Run:
                     pass
         return self.wait(CANCEL_WAIT_S)
 
-    def _caller(self) -> str:
-        runner = self._record.read_runner()
-        return "a process that has ended" if runner is None else f"pid {runner['pid']}"
+    def _caller_pid(self) -> int | str:
+        runner = self._record.read_runner()  # a blocking call's record names its caller from the start
+        return "unknown" if runner is None else runner["pid"]
 
     def _reason(self) -> str | None:
         if self._job is not None and not self.info.get("reason"):

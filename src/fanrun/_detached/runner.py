@@ -22,7 +22,8 @@ import sys
 import traceback
 
 from .._launch import call
-from .._launch.records import FAILED, FINISHED, KILLED, NO_ROOM, OUTCOME, RunRecord
+from .._launch.record_files import FAILED, FINISHED, KILLED, OUTCOME
+from .._launch.records import NO_ROOM, RunRecord
 from .._errors import FanrunError, RemoteTraceback, raised_for_the_caller
 from . import files, stream
 

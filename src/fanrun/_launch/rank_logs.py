@@ -15,7 +15,9 @@ from pathlib import Path
 from .._display.terminal_text import printable
 from .._private_dir import open_private
 from .file_changes import FileChanges
-from .records import FINAL, RunRecord, _ProcessEnd
+from .record_files import FINAL
+from .record_watch import ProcessEnd
+from .records import RunRecord
 
 _LOG = re.compile(r"rank_(\d+)\.log")
 _CHUNK = 64 * 1024
@@ -121,7 +123,7 @@ def follow(record: RunRecord, rank: int | None = None) -> None:
     attempts = _Attempts(record)
     written: set[str] = set()
     try:
-        with FileChanges([], directories=[str(record.directory)]) as changes, _ProcessEnd() as runner_end:
+        with FileChanges([], directories=[str(record.directory)]) as changes, ProcessEnd() as runner_end:
             while True:
                 state = record.state()
                 ended = state["status"] in FINAL
