@@ -15,7 +15,7 @@ import pytest
 
 import fanrun
 from fanrun import distributed
-from fanrun._detached import store
+from fanrun._launch import records
 from gpus import needs_gpus
 from processes import wait_gone
 
@@ -34,7 +34,7 @@ def steps(count, gate=None):
 
 
 def runner_pid(run: fanrun.Run) -> int:
-    return store.read_json(store.find(run.id), store.RUNNER)["pid"]
+    return records.RunRecord.find(run.id).read_runner()["pid"]
 
 
 def test_a_detached_call_returns_a_run_at_once_whose_result_is_the_ranks_values(tmp_path):
@@ -272,11 +272,11 @@ def test_an_idempotency_key_returns_the_run_it_started_first(tmp_path):
 def test_a_bad_workload_file_is_named_by_line_and_field_before_anything_starts(tmp_path, text, message):
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "workload.yaml").write_text(text)
-    before = set(store.all_runs())
+    before = {record.id for record in records.all_records()}
     done = subprocess.run([sys.executable, "-m", "fanrun", "submit", "workload.yaml"], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr, done.stderr
-    assert set(store.all_runs()) == before
+    assert {record.id for record in records.all_records()} == before
 
 
 def test_dry_run_and_overrides(tmp_path):

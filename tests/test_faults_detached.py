@@ -22,8 +22,10 @@ import pytest
 
 import fanrun
 from fanrun import distributed
-from fanrun._detached import store
+from fanrun._detached import files
+from fanrun._launch import records
 from fanrun._display.terminal_text import printable
+from fanrun._spec.paths import RunPaths
 from processes import wait_gone
 
 # What a hostile exception text may hold: set the window's title (OSC 0), ask the terminal for
@@ -109,15 +111,15 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def runner_pid(run: fanrun.Run) -> int:
-    return store.read_json(store.find(run.id), store.RUNNER)["pid"]
+    return records.RunRecord.find(run.id).read_runner()["pid"]
 
 
 def connect(run: fanrun.Run) -> socket.socket:
     """A reader of the run's socket, as stream.follow() connects, from offset 0."""
-    dir_fd = os.open(store.find(run.id), os.O_RDONLY | os.O_DIRECTORY)
+    dir_fd = os.open(records.RunRecord.find(run.id).directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         reader = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        reader.connect(f"/proc/self/fd/{dir_fd}/{store.SOCKET}")  # a run's path may be too long for an address
+        reader.connect(f"/proc/self/fd/{dir_fd}/{files.SOCKET}")  # a run's path may be too long for an address
     finally:
         os.close(dir_fd)
     return reader
@@ -149,7 +151,7 @@ class Client(threading.Thread):
 
 def wait_for_log(run: fanrun.Run, size: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    log = store.find(run.id) / store.OUTPUT
+    log = records.RunRecord.find(run.id).directory / files.OUTPUT
     while log.stat().st_size < size:
         assert time.monotonic() < deadline, f"the run wrote {log.stat().st_size} of {size} bytes in {timeout} s"
         time.sleep(0.05)
@@ -170,7 +172,7 @@ def test_a_slow_reader_never_slows_a_run_and_a_dropped_one_resumes_from_its_offs
         run.wait(timeout=120)
     # A reader that is far behind reads on from the log on disk, and gets every byte.
     again = subprocess.run([sys.executable, "-m", "fanrun", "attach", run.id], capture_output=True, timeout=120)
-    assert again.stdout == (store.find(run.id) / store.OUTPUT).read_bytes()
+    assert again.stdout == (records.RunRecord.find(run.id).directory / files.OUTPUT).read_bytes()
     assert wait_gone([runner_pid(run)], timeout=30) == []
 
 
@@ -191,7 +193,7 @@ def test_a_follower_dropped_for_reading_slowly_resumes_from_its_offset_and_gets_
         err = follower.communicate(timeout=60)[1]
     assert follower.returncode == 0, err
     assert run.wait(timeout=60) == "FINISHED"
-    assert bytes(received) == (store.find(run.id) / store.OUTPUT).read_bytes()
+    assert bytes(received) == (records.RunRecord.find(run.id).directory / files.OUTPUT).read_bytes()
     assert wait_gone([runner_pid(run)], timeout=30) == []
 
 
@@ -238,7 +240,7 @@ def test_a_full_disk_fails_the_run_with_its_reason_and_every_run_still_lists(tin
     rows = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
     assert rows[run.id].split()[1] == "FAILED" and "disk full" in rows[run.id], listed.stdout
     assert rows[killed.id].split()[1] == "FAILED" and "ended without recording an outcome" in rows[killed.id]
-    assert store.read_json(store.find(killed.id), store.STATE)["status"] not in store.FINAL  # shown, not written
+    assert records.RunRecord.find(killed.id).read_state()["status"] not in records.FINAL  # shown, not written
     logs = cli("logs", run.id)
     assert logs.returncode == 0 and f"[rank0]: {'x' * 99}\n" in logs.stdout, logs.stderr
 
@@ -264,7 +266,7 @@ def write_private(path: Path, data: bytes) -> None:
 def test_a_damaged_run_is_listed_as_damaged_and_every_other_run_still_lists(runs_root, tmp_path):
     good = quick.distributed()
     assert good.wait(timeout=60) == "FINISHED"
-    detached = runs_root / "detached"
+    detached = runs_root / "records"
     elsewhere = tmp_path / "state.json"
     elsewhere.write_text(json.dumps({"status": "FINISHED", "reason": "FOLLOWED A LINK", "created": 0}))
     damaged = {}
@@ -273,7 +275,7 @@ def test_a_damaged_run_is_listed_as_damaged_and_every_other_run_still_lists(runs
         directory = detached / f"damaged{len(damaged)}-20261201-000000-abcdef"
         directory.mkdir(mode=0o700)
         if state is not None:
-            write_private(directory / store.STATE, state)
+            write_private(directory / records.STATE, state)
         damaged[directory.name] = why
         return directory
 
@@ -281,9 +283,9 @@ def test_a_damaged_run_is_listed_as_damaged_and_every_other_run_still_lists(runs
     run_directory("a JSON list, not an object", b"[1, 2, 3]")
     run_directory("its status is none of", json.dumps({"status": "HAPPY"}).encode())
     run_directory("its created is not a time", json.dumps({"status": "FINISHED", "created": "yesterday"}).encode())
-    (run_directory("symbolic link", None) / store.STATE).symlink_to(elsewhere)
+    (run_directory("symbolic link", None) / records.STATE).symlink_to(elsewhere)
     runner_damaged = run_directory("runner.json", json.dumps({"status": "RUNNING", "created": time.time()}).encode())
-    write_private(runner_damaged / store.RUNNER, b'{"pid": "me"}')
+    write_private(runner_damaged / records.RUNNER, b'{"pid": "me"}')
     a_file = detached / "afile-20261201-000000-abcdef"
     write_private(a_file, b"")
     damaged[a_file.name] = "is a file, not a run's directory"
@@ -314,18 +316,25 @@ def test_a_damaged_run_is_listed_as_damaged_and_every_other_run_still_lists(runs
     b'{"host": "%s", "ranks": [["one", 2]]}', b'{"host": "%s", "ranks": [[1]]}', b"link",
 ], ids=["garbage", "list", "no-host", "ranks-text", "pid-text", "short-pair", "symlink"])
 def test_fanrun_stacks_on_a_damaged_ranks_json_says_what_is_wrong(runs_root, tmp_path, record):
-    directory = runs_root / "run-damaged"
-    directory.mkdir(mode=0o700)
-    if record == b"link":
-        # A valid record elsewhere, naming a process that is not a rank: never followed, never signalled.
-        target = tmp_path / "ranks.json"
-        target.write_text(json.dumps({"host": socket.gethostname(), "ranks": [[2**22 + 1, None]]}))  # above pid_max
-        (directory / "ranks.json").symlink_to(target)
-    else:
-        write_private(directory / "ranks.json", record.replace(b"%s", socket.gethostname().encode()))
-    stacks = cli("stacks", "run-damaged")
+    # A running run's record, this process its caller, whose attempt's directory holds a damaged ranks.json.
+    run = records.RunRecord.create("damaged", kind=records.BLOCKING, world_size=1, owner=True)
+    attempt = RunPaths.create("damaged", run_id=run.id)
+    try:
+        run.attempt(attempt.directory)
+        directory = attempt.directory
+        if record == b"link":
+            # A valid record elsewhere, naming a process that is not a rank: never followed, never signalled.
+            target = tmp_path / "ranks.json"
+            target.write_text(json.dumps({"host": socket.gethostname(), "ranks": [[2**22 + 1, None]]}))  # above pid_max
+            (directory / "ranks.json").symlink_to(target)
+        else:
+            write_private(directory / "ranks.json", record.replace(b"%s", socket.gethostname().encode()))
+        stacks = cli("stacks", run.id)
+    finally:
+        attempt.close()
+        run.release()
     assert stacks.returncode == 2, stacks
-    assert stacks.stderr.startswith("fanrun: run run-damaged: its ranks.json is damaged"), stacks.stderr
+    assert stacks.stderr.startswith(f"fanrun: run {run.id}: its ranks.json is damaged"), stacks.stderr
     assert len(stacks.stderr.splitlines()) == 1 and stacks.stdout == ""
 
 

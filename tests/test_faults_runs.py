@@ -227,7 +227,7 @@ def test_more_than_a_hundred_runs_are_pruned_to_the_newest_hundred(runs_root):
         paths.close()
         fillers.append(paths.directory.name)
     newest = where_am_i.distributed()[0]
-    left = sorted(p.name for p in runs_root.iterdir())
+    left = sorted(p.name for p in runs_root.iterdir() if p.name != "records")  # the runs' records, beside them
     assert len(left) == _paths.KEEP_RUNS == 100
     assert left == sorted(fillers[6:] + [Path(newest).name])
 
@@ -552,7 +552,12 @@ def test_everything_written_is_private_whatever_the_umask(runs_dir, monkeypatch)
     # ranks.json (fanrun stacks' record of the ranks) is written once they started: there or not yet.
     assert modes.pop("ranks.json", 0o600) == 0o600
     assert modes == {"payload.pkl": 0o600, "rank_0.log": 0o600, _paths.RUN_MARKER: 0o600}
-    runs = sorted(root.iterdir())
+    runs = sorted(path for path in root.iterdir() if path.name != "records")
     assert [mode(run) for run in runs] == [0o700, 0o700]
     failed = runs[-1]
     assert {p.name: mode(p) for p in failed.iterdir()} == {"rank_0.log": 0o600, "rank_0.error": 0o600, _paths.RUN_MARKER: 0o600}
+    # The runs' records (_launch/records.py): the folder, each run's, and their files.
+    kept = sorted((root / "records").iterdir())
+    assert mode(root / "records") == 0o700 and [mode(record) for record in kept] == [0o700, 0o700]
+    files = {name: 0o600 for name in ("state.json", "runner.json", "attempt-0.json", "end.json")}
+    assert [{p.name: mode(p) for p in record.iterdir()} for record in kept] == [files] * 2

@@ -24,6 +24,8 @@ import pytest
 from nbclient import NotebookClient
 
 COLUMNS, ROWS = 150, 50
+# The line every call says as it starts, in every display but a panel (which has it as its title).
+STARTED = re.compile(r"fanrun: run ([\w.-]+-\d{8}-\d{6}-[0-9a-f]{6}) started: [^;]+; fanrun stacks \1 shows every rank's stack")
 
 # Every rank draws a 40-step tqdm bar on stderr, then redraws a line with print(end="\r")
 # on stdout, with a line before and after each.
@@ -169,7 +171,8 @@ def test_a_line_without_newline_shows_in_a_terminal_while_the_rank_waits(tmp_pat
     script.write_text(WAITING)
     chunks = run_in_terminal(script)
     assert first_arrival(chunks, "[rank0]: waiting...") - first_arrival(chunks, "[rank0]: start") < 0.5
-    assert rendered(chunks) == ["[rank0]: start", "[rank0]: waiting... done"]
+    lines = rendered(chunks)
+    assert STARTED.fullmatch(lines[0]) and lines[1:] == ["[rank0]: start", "[rank0]: waiting... done"], lines
 
 
 def test_a_line_without_newline_shows_through_a_pipe_while_the_rank_waits(tmp_path):
@@ -249,7 +252,8 @@ def test_a_line_without_newline_shows_in_a_notebook_cell_while_the_rank_waits(tm
 
     arrivals = asyncio.run(scenario())
     assert arrivals["waiting"] - arrivals["start"] < 0.5
-    assert stream_text(cell) == "[rank0]: start\n[rank0]: waiting... done\n"
+    started, _, rest = stream_text(cell).partition("\n")
+    assert STARTED.fullmatch(started) and rest == "[rank0]: start\n[rank0]: waiting... done\n", stream_text(cell)
 
 
 @pytest.mark.parametrize("display", ["logs", "panel"])

@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 from gpus import needs_gpus
 from processes import wait_gone
 
-from fanrun._detached import store
+from fanrun._launch import records
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -249,5 +249,5 @@ def test_a_detached_run_started_in_a_kernel_is_attached_from_the_restarted_kerne
         # Its whole output, from the lines printed before the restart on.
         assert shown.index(f"[rank{rank}]: rank {rank} waits") < shown.index(f"[rank{rank}]: rank {rank} trained")
     assert shown.endswith("result [0, 10] FINISHED\n"), shown
-    runner = store.read_json(store.find(run_id), store.RUNNER)["pid"]
+    runner = records.RunRecord.find(run_id).read_runner()["pid"]
     assert wait_gone([runner], timeout=10) == []

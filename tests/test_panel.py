@@ -154,7 +154,12 @@ def test_eight_ranks_with_bars_are_one_panel_in_a_terminal(tmp_path):
     for rank, row in enumerate(rows):
         assert row.startswith(f"rank {rank}  CPU  done") and "30/30 100%" in row, row
     assert not any("[rank" in line for line in lines), "\n".join(lines)  # no flood of lines
-    assert len(lines) <= 8 + 4, "\n".join(lines)
+    # The panel's title is the run's id, which stays on the screen once the panel has ended.
+    title = lines.index(rows[0]) - 1
+    assert re.fullmatch(r"run train-\d{8}-\d{6}-[0-9a-f]{6}: 8 CPU processes", lines[title]), "\n".join(lines)
+    assert os.path.isdir(os.path.join(os.environ["FANRUN_RUNS_DIR"], "records", lines[title].split()[1][:-1]))
+    assert not any(line.startswith("fanrun: run ") for line in lines), "\n".join(lines)  # said once, in the panel
+    assert len(lines) <= 8 + 5, "\n".join(lines)
     assert lines[-1] == "returned [0, 1, 2, 3, 4, 5, 6, 7]"
 
 
@@ -207,8 +212,8 @@ def test_at_80_columns_the_panel_keeps_its_stacks_command_whole(tmp_path):
     for _, chunk in run_in_terminal(script, columns=80):
         stream.feed(chunk)
         commands |= {m.group(1) for row in screen.display for m in re.finditer(r"fanrun stacks ([\w.-]+)", row)}
-    runs = os.environ["FANRUN_RUNS_DIR"]
-    assert commands and all(os.path.isdir(os.path.join(runs, run)) for run in commands), commands
+    records = os.path.join(os.environ["FANRUN_RUNS_DIR"], "records")
+    assert commands and all(os.path.isdir(os.path.join(records, run)) for run in commands), commands
     assert "returned [0, 1]" in [row.rstrip() for row in screen.display], screen.display
 
 
@@ -340,11 +345,13 @@ def test_stacks_without_a_running_call_or_of_no_such_run_is_a_clear_error():
 
     with pytest.raises(fanrun.StacksError, match="No fanrun call is running in this process"):
         fanrun.stacks()
-    with pytest.raises(fanrun.StacksError, match="run 20261201-000000-0-none: no such run under"):
+    with pytest.raises(fanrun.StacksError, match="no run none-20261201-000000-000000 in "):
+        fanrun.stacks("none-20261201-000000-000000")
+    with pytest.raises(fanrun.StacksError, match="'20261201-000000-0-none' is not a run id"):
         fanrun.stacks("20261201-000000-0-none")
-    shell = subprocess.run([sys.executable, "-m", "fanrun", "stacks", "20261201-000000-0-none"], capture_output=True,
+    shell = subprocess.run([sys.executable, "-m", "fanrun", "stacks", "none-20261201-000000-000000"], capture_output=True,
                            text=True)
-    assert shell.returncode == 2 and "run 20261201-000000-0-none: no such run under" in shell.stderr
+    assert shell.returncode == 2 and "no run none-20261201-000000-000000 in " in shell.stderr
 
 
 # In a notebook, without display=: the default. Each rank logs its loss, untracked (tracking=False).
@@ -407,6 +414,8 @@ def test_eight_ranks_with_bars_are_one_panel_in_a_notebook_cell(tmp_path):
     page = panels[0].data["text/html"]
     for rank in range(8):
         assert f'data-rank="{rank}" data-state="done" data-fraction="1.0000"' in page, page
+    # Its title is the run's id, a person's to type into `fanrun stacks`, `logs`, `attach`: said once, there.
+    assert re.search(r'<div class="fanrun-title"[^>]*>run train-\d{8}-\d{6}-[0-9a-f]{6}: 8 CPU processes</div>', page), page
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream" and o.name == "stdout")
     assert printed == "returned [0, 1, 2, 3, 4, 5, 6, 7]\n", printed
     # Nothing of the ranks on stderr: only, where 8 ranks outnumber the cores, the one line that says so.
@@ -495,7 +504,8 @@ def test_eight_ranks_in_tmux_are_one_panel_on_its_screen(tmp_path):
     assert [row[:len(f"rank {r}  CPU  done")] for r, row in enumerate(rows)] == \
         [f"rank {r}  CPU  done" for r in range(8)], "\n".join(lines)
     assert all("30/30 100%" in row for row in rows), "\n".join(lines)
-    assert not any("[rank" in line for line in lines) and len(lines) <= 8 + 4, "\n".join(lines)
+    assert not any("[rank" in line for line in lines) and len(lines) <= 8 + 5, "\n".join(lines)
+    assert re.fullmatch(r"run train-\S+: 8 CPU processes", lines[lines.index(rows[0]) - 1]), "\n".join(lines)  # its title
     assert lines[-1] == "returned [0, 1, 2, 3, 4, 5, 6, 7]"
     # kill-server returns before the server has exited.
     assert wait_gone(_processes_with(socket), timeout=10) == []

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import fanrun
-from fanrun._detached import store
+from fanrun._launch import records
 from processes import wait_gone
 
 
@@ -32,7 +32,7 @@ def watched(folder, text):
     done = submit(folder, text, "--watch")
     run = fanrun.Run(done.stdout.splitlines()[0])
     status = run.wait()
-    assert wait_gone([store.read_json(store.find(run.id), store.RUNNER)["pid"]], timeout=30) == []
+    assert wait_gone([records.RunRecord.find(run.id).read_runner()["pid"]], timeout=30) == []
     return status, done.stderr
 
 
@@ -80,12 +80,12 @@ def test_a_command_list_is_an_argv_exactly(tmp_path):
     ("deepspeed --num_gpus 2 job.py", 1, "write the script's own command"),
 ])
 def test_a_launcher_command_is_refused_with_what_to_write_instead(tmp_path, command, line, instead):
-    before = set(store.all_runs())
+    before = {record.id for record in records.all_records()}
     done = submit(tmp_path, f"command: {command}\ncompute: {{num_accelerators: 2}}\n")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"fanrun: workload.yaml:{line}: command: ") and instead in done.stderr, done.stderr
     assert "starts its own ranks" in done.stderr
-    assert set(store.all_runs()) == before
+    assert {record.id for record in records.all_records()} == before
 
 
 WORLD = """\
@@ -163,11 +163,11 @@ command: echo [*h,*h,*h,*h,*h,*h,*h,*h,*h]
 def test_a_bad_workload_is_a_one_line_error_naming_file_and_line(tmp_path, text, data, message, dry_run):
     (tmp_path / "job.py").write_text("def train():\n    return 1\n")
     (tmp_path / "broken.py").write_text("1 / 0\n")
-    before = set(store.all_runs())
+    before = {record.id for record in records.all_records()}
     done = submit(tmp_path, text, *(["--dry-run"] if dry_run else []), data=data, timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"fanrun: {message}") and done.stderr.count("\n") == 1, done.stderr
-    assert set(store.all_runs()) == before
+    assert {record.id for record in records.all_records()} == before
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -1,4 +1,4 @@
-"""`fanrun list`, `logs`, `attach`, `cancel`: runs from a shell (_detached/)."""
+"""`fanrun list`, `logs`, `attach`, `cancel`: runs, blocking and detached, from a shell (_detached/run.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,24 @@ COMMANDS = ("list", "logs", "attach", "cancel")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    listing = commands.add_parser("list", help="your detached runs (@distributed(detach=True))",
-                                  description="Your detached runs still queued or running; --all: every one.")
+    listing = commands.add_parser("list", help="your runs, blocking and detached",
+                                  description="Your runs still queued or running, blocking calls and detached runs "
+                                  "alike; --all: the ones that have ended too (the newest 100 of them).")
     listing.add_argument("--all", action="store_true", help="also the runs that have ended")
-    logs = commands.add_parser("logs", help="a detached run's output", description="Prints a detached run's output.")
-    logs.add_argument("run", metavar="RUN", help="the run's id, as `fanrun list` shows it")
+    logs = commands.add_parser("logs", help="a run's output",
+                               description="Prints a run's output, as a blocking call shows it, each line labelled by "
+                               "its rank; a blocking call's is read back from its ranks' logs.")
+    logs.add_argument("run", metavar="RUN", help="the run's id, as the run printed it and `fanrun list` shows it")
     logs.add_argument("--rank", type=int, default=None, help="that rank's lines alone")
     logs.add_argument("-f", "--follow", action="store_true", help="go on printing as it comes, until the run ends")
     attach = commands.add_parser(
-        "attach", help="follow a detached run to its end",
-        description="Prints a detached run's output from its start, then as it comes; exits when the run ends, "
-        "with 0 if it finished, 1 if it failed, 130 if it was cancelled.")
+        "attach", help="follow a run to its end",
+        description="Prints a run's output from its start, then as it comes; exits when the run ends, "
+        "with 0 if it finished, 1 if it failed, 130 if it was cancelled or interrupted.")
     attach.add_argument("run", metavar="RUN", help="the run's id")
-    cancel = commands.add_parser("cancel", help="stop a detached run", description="Stops a detached run's ranks.")
+    cancel = commands.add_parser("cancel", help="stop a detached run",
+                                 description="Stops a detached run's ranks. A blocking call is stopped where it runs "
+                                 "(Ctrl+C), as its caller waits for its results.")
     cancel.add_argument("run", metavar="RUN", help="the run's id")
 
 

@@ -12,7 +12,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     stacks = commands.add_parser(
         "stacks", help="print where every rank of a running call is, without stopping it",
         description="Makes every rank of the running call RUN dump the stacks of its threads (faulthandler) into "
-        "its log, and prints them. RUN is the id the call's panel shows (its folder under fanrun's runs directory).")
+        "its log, and prints them. RUN is the run's id, which the call printed as it started (`fanrun list` shows "
+        "the runs that run).")
     stacks.add_argument("run", metavar="RUN", help="the run's id")
 
 

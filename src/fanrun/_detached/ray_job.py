@@ -3,7 +3,7 @@ it going, whatever happens to the machine that submitted it, and fanrun schedule
 
 The job's entrypoint is ray_driver.py, run on the cluster's head in the workload file's folder
 (uploaded as the job's working_dir); it runs the call through fanrun's Ray backend and prints the
-outcome as its last line, marked with OUTCOME_MARK. Here, the run's directory records the
+outcome as its last line, marked with OUTCOME_MARK. Here, the run's record holds the
 cluster's address and the job's id (the run's id); status, logs, waiting and cancelling ask the
 cluster's job server, and a final status is recorded so that later reads need no cluster.
 """
@@ -14,51 +14,48 @@ import asyncio
 import base64
 import json
 import sys
-import time
-from pathlib import Path
-
 from .._errors import FanrunError
+from .._launch import records
+from .._launch.record_files import OUTCOME
+from .._launch.records import RunRecord
 from ..backends.ray.jobs import job_client
-from . import store
 
 # The line of the job's output that carries the outcome (a pickled dict, as outcome.pkl holds).
 OUTCOME_MARK = "fanrun-outcome: "
 # Ray's job statuses as a run's.
-STATUS = {"PENDING": store.QUEUED, "RUNNING": store.RUNNING, "SUCCEEDED": store.FINISHED,
-          "FAILED": store.FAILED, "STOPPED": store.KILLED}
+STATUS = {"PENDING": records.QUEUED, "RUNNING": records.RUNNING, "SUCCEEDED": records.FINISHED,
+          "FAILED": records.FAILED, "STOPPED": records.KILLED}
 
 
-def submit(directory: Path, workload, *, address: str, cwd: str) -> None:
-    """Submits the workload as the job of the run in `directory`, with the run's id as its id."""
+def submit(record: RunRecord, workload, *, address: str, cwd: str) -> None:
+    """Submits the workload as the job of the run of `record` (made with its cluster's address,
+    ray_job={"address": ...}), with the run's id as its id."""
     fields = json.dumps(workload.fields)  # the file's own values: YAML scalars, lists and mappings
     entrypoint = f"python -m fanrun._detached.ray_driver {base64.urlsafe_b64encode(fields.encode()).decode()}"
-    store.update_state(directory, status=store.QUEUED, name=workload.name, created=time.time(),
-                       ray_job={"address": address})
     try:
-        job_client(address).submit_job(entrypoint=entrypoint, submission_id=directory.name,
+        job_client(address).submit_job(entrypoint=entrypoint, submission_id=record.id,
                                        runtime_env={"working_dir": cwd}, metadata={"fanrun_run": workload.name})
     except Exception as error:
-        store.update_state(directory, status=store.FAILED, ended=time.time(),
-                           reason=f"the Ray cluster at {address} did not take the job: {error}")
+        record.end(records.FAILED, f"the Ray cluster at {address} did not take the job: {error}")
         raise FanrunError(f"the Ray cluster at {address} did not take the job: {error}") from None
 
 
 class RayJob:
     """The Ray job of one run, through the cluster's job server."""
 
-    def __init__(self, directory: Path, address: str) -> None:
-        self.directory = directory
-        self.id = directory.name
+    def __init__(self, record: RunRecord, address: str) -> None:
+        self.record = record
+        self.id = record.id
         self.address = address
 
     def status(self) -> str:
-        recorded = store.state(self.directory)
-        if recorded["status"] in store.FINAL:
+        recorded = self.record.state()
+        if recorded["status"] in records.FINAL:
             return recorded["status"]
         answer = self._call("get_job_status")
-        status = STATUS.get(str(getattr(answer, "value", answer)), store.RUNNING)
-        if status in store.FINAL:
-            store.update_state(self.directory, status=status, ended=time.time())
+        status = STATUS.get(str(getattr(answer, "value", answer)), records.RUNNING)
+        if status in records.FINAL:
+            self.record.end(status, recorded.get("reason") or "")
         return status
 
     def logs(self, rank: int | None = None) -> str:
@@ -82,7 +79,7 @@ class RayJob:
 
     def wait(self, timeout: float | None) -> str:
         """The job server streams a job's logs until it ends: waiting is reading them to their end."""
-        if self.status() not in store.FINAL:
+        if self.status() not in records.FINAL:
             async def drain() -> None:
                 async for _ in self._client().tail_job_logs(self.id):
                     pass
@@ -97,13 +94,13 @@ class RayJob:
         """outcome.pkl's bytes, from the driver's last line; recorded here once read. Run.result()
         unpickles them: the cluster is trusted with that as the Ray backend trusts it with every
         call's results, and as it is trusted to run the workload at all."""
-        data = store.read_bytes(self.directory, store.OUTCOME)
+        data = self.record.read_bytes(OUTCOME)
         if data is not None:
             return data
         for line in reversed(self._call("get_job_logs").splitlines()):
             if line.startswith(OUTCOME_MARK):
                 data = base64.b64decode(line[len(OUTCOME_MARK):])
-                store.write_bytes(self.directory, store.OUTCOME, data)
+                self.record.write_bytes(OUTCOME, data)
                 return data
         return None
 

@@ -1,7 +1,7 @@
 """A detached run's output, written once and read by anyone who attaches, live.
 
 The runner's sys.stdout and sys.stderr are a Broadcast: each write goes to output.log and, in the
-same order, to every attached reader over the run's socket (store.SOCKET, in its private
+same order, to every attached reader over the run's socket (files.SOCKET, in its private
 directory). A reader sends the offset it has read to, gets the log from there, then what is
 written after, framed as `<stream> <length>\\n<bytes>`; the offsets are the log's.
 
@@ -26,7 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .._display.terminal_text import printable
-from . import store
+from .._launch.records import FINAL, NO_ROOM, RunRecord
+from .._private_dir import open_private
+from . import files
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 64 * 1024
@@ -43,7 +45,7 @@ CLOSE_S = 5.0
 
 def _socket_path(dir_fd: int) -> str:
     # Through the directory's descriptor: a run's path may be longer than a socket's address.
-    return f"/proc/self/fd/{dir_fd}/{store.SOCKET}"
+    return f"/proc/self/fd/{dir_fd}/{files.SOCKET}"
 
 
 class _Reader:
@@ -61,8 +63,8 @@ class Broadcast:
 
     def __init__(self, directory: Path) -> None:
         self._dir_fd = os.open(directory, _DIRECTORY_FLAGS)
-        self._log = store.open_private(self._dir_fd, store.OUTPUT, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        self._log_reader = store.open_private(self._dir_fd, store.OUTPUT, os.O_RDONLY)
+        self._log = open_private(self._dir_fd, files.OUTPUT, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        self._log_reader = open_private(self._dir_fd, files.OUTPUT, os.O_RDONLY)
         self._size = os.fstat(self._log).st_size
         self.log_error: str | None = None
         self._lock = threading.Lock()
@@ -103,7 +105,7 @@ class Broadcast:
                 while written < len(view):
                     written += os.write(self._log, view[written:])
             except OSError as error:
-                what = "disk full" if error.errno in store.NO_ROOM else "output.log could not be written"
+                what = "disk full" if error.errno in NO_ROOM else "output.log could not be written"
                 self.log_error = (f"{what}: output.log stops at {self._size + written} bytes "
                                   f"({os.strerror(error.errno)}); the output after it was not kept")
         self._size += written
@@ -170,7 +172,7 @@ class Broadcast:
         """After the run's final state is written: the readers get what waits for them, then
         the end of their stream. It returns within CLOSE_S, whatever the readers do."""
         try:
-            os.unlink(store.SOCKET, dir_fd=self._dir_fd)
+            os.unlink(files.SOCKET, dir_fd=self._dir_fd)
         except FileNotFoundError:
             pass
         self._listener.shutdown(socket.SHUT_RDWR)
@@ -245,7 +247,7 @@ def _read_offset(connection: socket.socket) -> int:
 def _log_from(dir_fd: int, offset: int) -> Iterator[bytes]:
     """output.log from `offset` on, in chunks; nothing where there is none yet."""
     try:
-        fd = store.open_private(dir_fd, store.OUTPUT, os.O_RDONLY)
+        fd = open_private(dir_fd, files.OUTPUT, os.O_RDONLY)
     except FileNotFoundError:
         return
     try:
@@ -263,7 +265,7 @@ def follow(directory: Path, offset: int = 0, rank: int | None = None) -> int:
     out = _Writer(rank)
     while True:
         offset = _follow_once(directory, offset, out)
-        if store.state(directory)["status"] in store.FINAL:
+        if RunRecord(directory).state()["status"] in FINAL:
             # What was written after the reader's last frame, if the runner dropped it at the end.
             return _copy_rest(directory, offset, out)
 

@@ -48,10 +48,11 @@ def default_display() -> str | None:
 class OutputMux:
     def __init__(self, world_size: int, display: str | None = None, where: list[str] | None = None,
                  stall_warning: float | None = None, hints: tuple[str, str] = ("", ""),
-                 run_dir: Path | None = None, open_gpu_sample=None) -> None:
+                 run_dir: Path | None = None, open_gpu_sample=None, title: str = "") -> None:
         """display: "panel", "logs", "quiet", or None: $FANRUN_DISPLAY where set, else the panel in a
         notebook and logs elsewhere. A panel asked for on a file or a pipe is logs there: nothing
-        can be redrawn in place."""
+        can be redrawn in place. `hints`: what a panel says below its rows while the call runs, and
+        once it has ended; `title`, above them."""
         self._labels = [f"[rank{r}]: " for r in range(world_size)]
         display = display or default_display()
         surface = caller_surface()
@@ -60,7 +61,8 @@ class OutputMux:
             quiet = QuietView()
             self._views: dict[_core.Stream, View] = {stream: quiet for stream in _core.Stream}
         elif (display == "panel" and surface != "plain") or (display is None and surface == "notebook"):
-            panel = Panel(world_size, where or ["" for _ in range(world_size)], time.monotonic(), stall_warning, *hints)
+            panel = Panel(world_size, where or ["" for _ in range(world_size)], time.monotonic(), stall_warning, *hints,
+                          title=title)
             metrics = MetricFiles(run_dir, world_size) if run_dir is not None else None
             gpu_sample = open_gpu_sample() if open_gpu_sample is not None else None
             self.panel = PanelView(panel, surface, terminal_block_stream(), metrics, gpu_sample)

@@ -38,7 +38,8 @@ class RankRow:
 
 class Panel:
     def __init__(self, world_size: int, where: list[str], started_at: float, stall_warning: float | None,
-                 run_hint: str = "", ended_hint: str = "") -> None:
+                 run_hint: str = "", ended_hint: str = "", title: str = "") -> None:
+        self.title = title  # above the rows, from start to end: the run's id, and what it runs on
         self.rows = [RankRow(where[rank], active_at=started_at) for rank in range(world_size)]
         self.stall_warning = stall_warning
         self.run_hint = run_hint  # how to see more while it runs: `fanrun stacks`, the logs

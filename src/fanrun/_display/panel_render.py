@@ -68,13 +68,15 @@ def progress_words(row: RankRow) -> str:
 
 
 def text_rows(panel: Panel, now: float, colour: bool = False, width: int | None = None) -> list[str]:
-    """One row per rank (and the failed rank's traceback lines below it), then the hint; with
+    """The title, one row per rank (and the failed rank's traceback lines below it), then the hint; with
     colour, a failed rank's lines in red and flags in yellow (for a terminal). With a width, the
     hint is wrapped to it (a row cut there would cut the command it gives); the other rows are
     the caller's to cut."""
     red, yellow, reset = ("\x1b[31m", "\x1b[33m", "\x1b[0m") if colour else ("", "", "")
     stragglers = panel.stragglers()
-    rows = []
+    # The title is wrapped as the hint is: a cut would cut the run's id.
+    rows = textwrap.wrap(panel.title, width, break_on_hyphens=False) if panel.title and width else \
+        [panel.title] if panel.title else []
     for rank, row in enumerate(panel.rows):
         fraction = row.progress.fraction if row.progress is not None else None
         bar = ""
@@ -101,10 +103,12 @@ def html_panel(panel: Panel, now: float) -> str:
     body = "".join(_html_row(panel, rank, row, now, stragglers, cells) for rank, row in enumerate(panel.rows))
     hint = (f'<div style="color:#666;margin-top:4px;white-space:pre-line">{html.escape(panel.run_hint)}</div>'
             if panel.run_hint else "")
+    title = (f'<div class="fanrun-title" style="font-weight:bold;margin-bottom:4px">{html.escape(panel.title)}</div>'
+             if panel.title else "")
     plot = (f'<img class="fanrun-plot" alt="the metrics the ranks logged, by step" '
             f'src="data:image/png;base64,{panel.plot_png}">' if panel.plot_png else "")
     return (f'<div class="fanrun-panel" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
-            f'<table style="border-collapse:collapse"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+            f'{title}<table style="border-collapse:collapse"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
             f'{plot}{hint}{_html_logs(panel)}</div>')
 
 

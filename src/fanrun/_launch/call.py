@@ -1,12 +1,12 @@
 """The one call path. Every door builds a CallSpec with plan() and hands it to run(), which drives
-the call to its end: the GPUs' locks, tracking (_tracking/hook.py), each attempt's run directory
-and ranks (run.py), the restarts (max_restarts), and the outcome. A detached run's runner
+the call to its end: its record (records.py), the GPUs' locks, tracking (_tracking/hook.py), each
+attempt's run directory and ranks (run.py), the restarts (max_restarts), and the outcome. A detached run's runner
 (_detached/runner.py) and a workload's Ray job (_detached/ray_driver.py) call run() too."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from .. import _accelerators
 from .._rank import contract
@@ -16,7 +16,7 @@ from .._spec.spec import CallSpec, Options
 from .._tracking import hook as tracking
 from ..backends.local import KEEPER, spares
 from ..backends.rank_env import RANK_DEFAULTS
-from . import gpu_locks, run as attempt_run
+from . import gpu_locks, records, run as attempt_run
 from .preflight import preflight
 
 
@@ -42,12 +42,12 @@ def plan(name: str, options: Options, program: RankProgram, *, payload: bytes | 
                     payload=payload, env=dict(env or {}))
 
 
-def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None,
-        on_paths: Callable[[RunPaths], None] | None = None) -> list:
+def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records.RunRecord | None = None) -> list:
     """Runs the call on every rank of its plan; returns the ranks' values in rank order (None for
     each rank of a script or program) or raises the root cause. A failed attempt starts every
     rank again, up to max_restarts times. `kept`: the ranks a keep_alive function keeps between
-    calls. `on_paths` learns each attempt's run directory."""
+    calls. `record`: the run's record, where its door made it (a detached run's runner, which
+    ends it); else the call makes one (records.py), which ends with it."""
     options = spec.options
     warm = spares.warm(options.warm)
     restarts_warm = options.max_restarts > 0 and spec.plan.backend == "local" and spec.program.python
@@ -55,10 +55,11 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None,
         # A restart takes spares whose imports are done: they start now, while the first attempt runs.
         spares.POOL.fill_soon(spec.plan.world_size, KEEPER, RANK_DEFAULTS)
     try:
-        with tracking.call(spec) as submission:
+        # The run's record, from here to its end: the one place where a blocking call's ends.
+        with records.of_call(spec.name, spec.plan.world_size, record) as record, tracking.call(spec) as submission:
             for attempt in range(options.max_restarts + 1):
                 try:
-                    return _attempt(spec, attempt, submission, kept, on_paths,
+                    return _attempt(spec, attempt, submission, kept, record,
                                     warm=warm or (restarts_warm and attempt > 0))
                 except Exception as error:  # an interrupt is never retried
                     if attempt == options.max_restarts:
@@ -73,7 +74,7 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None,
 
 
 def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | None,
-             on_paths: Callable[[RunPaths], None] | None, *, warm: bool) -> list:
+             record: records.RunRecord, *, warm: bool) -> list:
     # The GPUs are this call's alone while it runs: a call that holds them already goes first.
     gpus = spec.gpus()
     with gpu_locks.hold(gpus, holder=repr(spec.name), on_busy=_say):
@@ -81,14 +82,14 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
         gpu_indices = [gpu.nvml_index for gpu in gpus]
         with tracking.attempt(spec, submission, gpu_indices) as tracked:
             # One run directory, for the launcher and for tracking, which uploads its logs.
-            with RunPaths.create(spec.name) as paths:
+            with RunPaths.create(spec.name, run_id=record.id) as paths:
                 tracked.paths = paths
-                if on_paths is not None:
-                    on_paths(paths)
+                record.attempt(paths.directory)
                 restarts = {contract.ENV_RESTART_COUNT: str(attempt),
                             contract.ENV_MAX_RESTARTS: str(spec.options.max_restarts)}
                 return attempt_run.run(spec, paths, extra_env={**spec.env, **tracked.rank_env, **restarts},
-                                       warm=warm, keep=kept, open_gpu_sample=tracking.gpu_sampler(gpu_indices))
+                                       warm=warm, keep=kept, open_gpu_sample=tracking.gpu_sampler(gpu_indices),
+                                       announce=attempt == 0)
 
 
 def _say(text: str) -> None:

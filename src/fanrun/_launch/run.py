@@ -27,7 +27,8 @@ plan_warnings_shown: set[str] = set()
 
 
 def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: bool = False,
-        keep: KeptRanks | None = None, open_gpu_sample: Callable[[], Callable | None] | None = None) -> list[object]:
+        keep: KeptRanks | None = None, open_gpu_sample: Callable[[], Callable | None] | None = None,
+        announce: bool = True) -> list[object]:
     """Runs one attempt of the call in `paths`, its directory; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
 
@@ -35,7 +36,7 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
     still win). `warm`: the ranks may be spares started ahead of the call (backends/local/spares.py).
     `keep`: the ranks may be the ones this holder kept from the last call, and this call's are
     kept there if it ends well (keep_alive). `open_gpu_sample()`, where a panel shows, gives what
-    samples the ranks' GPUs for it."""
+    samples the ranks' GPUs for it. `announce`: the run's id is said as it starts (its first attempt)."""
     plan = spec.plan
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -54,7 +55,13 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
                         open_gpu_sample=open_gpu_sample,
                         # The command first: a panel wrapped to its width keeps it on one row.
                         hints=(f"fanrun stacks {paths.run_id} (or fanrun.stacks() from another thread) shows "
-                               f"every rank's stack without stopping it.\n{logs}", logs), run_dir=paths.directory)
+                               f"every rank's stack without stopping it.\n{logs}", logs), run_dir=paths.directory,
+                        title=f"run {paths.run_id}: {plan.description}")
+        if announce and mux.panel is None:
+            # The id that `fanrun stacks`, `list`, `logs` and `attach` take, said once as the run
+            # starts, whatever the display: a panel has it as its title.
+            print(f"fanrun: run {paths.run_id} started: {plan.description}; fanrun stacks {paths.run_id} shows "
+                  f"every rank's stack", file=sys.stderr, flush=True)
         with SignalWakeup() as wakeup:
             # The first attempt unless extra_env says otherwise, whatever the caller's environment holds.
             first_attempt = {contract.ENV_RESTART_COUNT: "0", contract.ENV_MAX_RESTARTS: "0"}

@@ -12,13 +12,13 @@ import socket
 import time
 from pathlib import Path
 
-from .._errors import StacksError, UnsafePathError
+from .._errors import FanrunError, StacksError, UnknownRunError, UnsafePathError
 from .._private_dir import open_private
 from .._rank.contract import STACK_DUMP_SIGNAL
-from . import running_calls
+from . import records, running_calls
 from .file_changes import FileChanges
 from .outcome import STACK_HEADER
-from .._spec.paths import open_runs_root, rank_log
+from .._spec.paths import rank_log
 
 # How long the ranks get to write their stacks, and how long a dump may pause between lines
 # before it counts as done.
@@ -48,7 +48,7 @@ def stacks(run_id: str | None = None) -> Stacks:
     if not running:
         raise StacksError("No fanrun call is running in this process. Call fanrun.stacks() from another thread "
                           "while .distributed() runs, or from a shell: fanrun stacks RUN, with the run id the "
-                          "call's panel or log directory shows")
+                          "call printed as it started (`fanrun list` shows the runs that run)")
     if len(running) > 1:
         raise StacksError(f"{len(running)} calls run in this process ({', '.join(sorted(running))}): "
                           f"name one, fanrun.stacks(run_id)")
@@ -57,46 +57,57 @@ def stacks(run_id: str | None = None) -> Stacks:
 
 
 def of_run(run_id: str) -> Stacks:
-    root, root_fd = open_runs_root()
-    os.close(root_fd)
-    if not run_id or "/" in run_id or run_id.startswith("."):
-        raise StacksError(f"{run_id!r} is not a run id; a run id is a folder name under {root}")
-    directory = root / run_id
-    record = _read_record(directory, run_id, root)
-    if record["host"] != socket.gethostname():
-        raise StacksError(f"run {run_id} runs on {record['host']}: run `fanrun stacks {run_id}` there")
-    return Stacks(run_id, _dump(directory, [tuple(rank) for rank in record["ranks"]]))
+    """The stacks of the ranks of run `run_id` (its record's id, blocking or detached), while it runs."""
+    directory, dir_fd = _attempt_directory(run_id)
+    try:
+        ranks = _read_ranks(dir_fd, run_id)
+    finally:
+        os.close(dir_fd)
+    if ranks["host"] != socket.gethostname():
+        raise StacksError(f"run {run_id} runs on {ranks['host']}: run `fanrun stacks {run_id}` there")
+    return Stacks(run_id, _dump(directory, [tuple(rank) for rank in ranks["ranks"]]))
 
 
-def _read_record(directory: Path, run_id: str, root: Path) -> dict:
+def _attempt_directory(run_id: str) -> tuple[Path, int]:
+    """The run directory of the run's attempt that runs now, as its record names it."""
+    try:
+        record = records.RunRecord.find(run_id)
+        state = record.state()
+    except UnknownRunError as error:
+        raise StacksError(str(error)) from None
+    except FanrunError as error:  # a damaged record
+        raise StacksError(f"run {run_id}: {error}") from None
+    if state["status"] != records.RUNNING:
+        why = f": {state['reason'].splitlines()[0]}" if state.get("reason") else ""
+        raise StacksError(f"run {run_id} is not running, it is {state['status']}{why}")
+    found = record.run_directory()
+    if found is None:
+        raise StacksError(f"run {run_id}: its record names no run directory of fanrun's runs directory "
+                          f"({state.get('run_dir')!r})")
+    return found
+
+
+def _read_ranks(dir_fd: int, run_id: str) -> dict:
     """The run's ranks.json, read without following a link, and checked: StacksError, saying
     what is wrong, for one that is missing or not as running_calls.add() writes it."""
     damaged = f"run {run_id}: its {running_calls.RANKS_FILE} is damaged"
     try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise StacksError(f"run {run_id}: no such run under {root}") from None
-    except OSError as error:
-        raise StacksError(f"run {run_id}: {directory} is not a run's directory ({os.strerror(error.errno or 0)})") from None
-    try:
         fd = open_private(dir_fd, running_calls.RANKS_FILE, os.O_RDONLY)
     except FileNotFoundError:
-        raise StacksError(f"run {run_id}: it is not running (or its ranks run on a Ray cluster, which `fanrun stacks` "
-                          f"cannot reach yet) under {root}") from None
+        raise StacksError(f"run {run_id}: its ranks are not running yet, or have ended (or they run on a Ray "
+                          f"cluster, which `fanrun stacks` cannot reach yet)") from None
     except (UnsafePathError, OSError) as error:
         raise StacksError(f"{damaged} ({error})") from None
-    finally:
-        os.close(dir_fd)
     with os.fdopen(fd, "rb") as file:
         data = file.read()
     try:
-        record = json.loads(data)
+        ranks = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise StacksError(f"{damaged}: it is not JSON ({len(data)} bytes)") from None
-    why = _what_is_wrong(record)
+    why = _what_is_wrong(ranks)
     if why is not None:
         raise StacksError(f"{damaged}: {why}")
-    return record
+    return ranks
 
 
 def _what_is_wrong(record: object) -> str | None:

@@ -52,7 +52,7 @@ def log_name(rank: int) -> str:
 
 
 # fanrun's variables in every rank's environment, besides torchrun's.
-ENV_RUN_ID = "FANRUN_RUN_ID"  # the run's directory name: shared by its ranks, and by nothing else
+ENV_RUN_ID = "FANRUN_RUN_ID"  # the run's id: shared by its ranks and their restarts, and by nothing else
 ENV_RUN_DIR = "FANRUN_RUN_DIR"  # the run's directory
 ENV_CONTROL_FD = "FANRUN_CONTROL_FD"  # CONTROL_FD, where the engine gave the rank its control channel
 ENV_ACCELERATOR = "FANRUN_ACCELERATOR"  # "gpu" or "cpu"

@@ -65,17 +65,40 @@ def rank_log(run_dir: Path, rank: int) -> Path:
     return run_dir / log_name(rank)
 
 
-class RunPaths:
-    """One run's directory, held open and locked from create() until close()."""
+def open_run_directory(path: str) -> tuple[Path, int] | None:
+    """A run directory that a record names (_launch/records.py), and a descriptor of it: only
+    one that lies in the runs root itself, has a run directory's name and is the caller's (never
+    a link); None where it is gone, or is none of these."""
+    root, root_fd = open_runs_root()
+    try:
+        name = os.path.basename(path)
+        if os.path.dirname(os.path.abspath(path)) != str(root) or not _RUN_NAME.fullmatch(name):
+            return None
+        try:
+            dir_fd = os.open(name, _DIRECTORY_FLAGS, dir_fd=root_fd)
+        except OSError:
+            return None
+        if os.fstat(dir_fd).st_uid != os.geteuid():
+            os.close(dir_fd)
+            return None
+        return root / name, dir_fd
+    finally:
+        os.close(root_fd)
 
-    def __init__(self, directory: Path, dir_fd: int, lock_fd: int) -> None:
+
+class RunPaths:
+    """One attempt's directory, held open and locked from create() until close()."""
+
+    def __init__(self, directory: Path, dir_fd: int, lock_fd: int, run_id: str | None = None) -> None:
         self.directory = directory
-        self.run_id = directory.name
+        # The id of the run this attempt is of (its record's, _launch/records.py): the one a
+        # person is shown and types.
+        self.run_id = run_id or directory.name
         self._dir_fd = dir_fd
         self._lock_fd = lock_fd
 
     @classmethod
-    def create(cls, name: str) -> RunPaths:
+    def create(cls, name: str, run_id: str | None = None) -> RunPaths:
         root, root_fd = open_runs_root()
         try:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
@@ -84,7 +107,7 @@ class RunPaths:
             # mkdir is atomic and fails where the name exists: a run never reuses a directory.
             os.mkdir(run_name, 0o700, dir_fd=root_fd)
             dir_fd = os.open(run_name, _DIRECTORY_FLAGS, dir_fd=root_fd)
-            paths = cls(root / run_name, dir_fd, -1)
+            paths = cls(root / run_name, dir_fd, -1, run_id)
             try:
                 os.fchmod(dir_fd, 0o700)  # whatever the umask: payloads and results are the caller's alone
                 paths._lock_fd = _hold_marker(dir_fd)

@@ -85,6 +85,7 @@ class RayBackend:
             tracked = env.get(rank_tracking.VARIABLE, rank_tracking.OFF) != rank_tracking.OFF
             spec = {
                 "name": launch.paths.run_id[-40:],
+                "run_id": launch.paths.run_id,
                 "argv": launch.program.argv,
                 "python": launch.program.python,
                 "cwd": os.getcwd(),

@@ -78,7 +78,7 @@ class NodeAgent:
         layout = NodeLayout(**spec["layout"], interface=_interface_towards(spec["master_addr"]))
         self._first_rank = layout.first_rank
         self._ranks = range(layout.first_rank, layout.first_rank + layout.local_world_size)
-        self._paths = paths = RunPaths.create(spec["name"])
+        self._paths = paths = RunPaths.create(spec["name"], run_id=spec["run_id"])
         if payload is not None:
             paths.write_payload(_with_node_sys_path(payload))
         # The node's environment, less what Ray set for the agent alone: its own setting, and the
