@@ -104,6 +104,11 @@ def sleeps_after_saying_its_pid(directory):
     time.sleep(300)
 
 
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
 def rank_pids(directory, count=2) -> list[int]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -151,9 +156,10 @@ def test_a_failed_run_raises_what_a_blocking_call_would(tmp_path):
 def test_a_runner_killed_with_sigkill_marks_its_run_failed_and_takes_its_ranks_along(tmp_path):
     run = sleeps_after_saying_its_pid.distributed(str(tmp_path))
     ranks = rank_pids(tmp_path)
+    keepers = [parent_of(rank) for rank in ranks]  # each rank's fanrun-keeper, which ends after it
     runner = runner_pid(run)
     os.kill(runner, signal.SIGKILL)
-    assert wait_gone([runner] + ranks, timeout=10) == []
+    assert wait_gone([runner] + ranks + keepers, timeout=10) == []
     assert run.status == "FAILED"
     assert run.info["reason"] == f"its runner (pid {runner}) ended without recording an outcome"
     with pytest.raises(fanrun.FanrunError, match="ended FAILED without an outcome"):
