@@ -191,9 +191,9 @@ if len(sys.argv) > 2 and os.environ["RANK"] == "1":
 
 
 def runner_pid(run_id: str) -> int:
-    from fanrun._detached import store
+    from fanrun._launch import records
 
-    return store.read_json(store.find(run_id), store.RUNNER)["pid"]
+    return records.RunRecord.find(run_id).read_runner()["pid"]
 
 
 def test_run_detach_goes_on_by_itself_and_attach_logs_and_list_show_it(tmp_path):
@@ -290,7 +290,7 @@ def test_display_logs_labels_every_line_whatever_fanrun_display_says(tmp_path):
 
 
 def test_flags_that_go_together_badly_are_refused_before_anything_starts(tmp_path, runs_dir):
-    from fanrun._detached import store
+    from fanrun._launch import records
 
     (tmp_path / "says.py").write_text(SAYS)
     cases = {
@@ -309,13 +309,13 @@ def test_flags_that_go_together_badly_are_refused_before_anything_starts(tmp_pat
         ("--tracking",): "--tracking asks for an MLflow run, but FANRUN_TRACKING turns tracking off",
         ("--detach", "--run-name", "first"): "--run-name asks for an MLflow run, but FANRUN_TRACKING turns",
     }
-    detached_before = store.all_runs()  # makes the directory of detached runs, where missing
+    records_before = [record.id for record in records.all_records()]  # makes the records' directory, where missing
     before = set(os.listdir(runs_dir))
     for flags, expected in cases.items():
         done = run(["run", "-n", "2", *flags, "says.py"], cwd=tmp_path)
         assert done.returncode == 1 and expected in done.stderr, (flags, done.stderr)
         assert done.stdout == "", flags
-    assert set(os.listdir(runs_dir)) == before and store.all_runs() == detached_before  # nothing was made
+    assert set(os.listdir(runs_dir)) == before and [record.id for record in records.all_records()] == records_before
     # A panel's stall warning of none: never flagged, and accepted.
     done = run(["run", "-n", "2", "--display", "panel", "--stall-warning", "none", "says.py"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
