@@ -312,18 +312,21 @@ def test_a_blocking_calls_record_ends_as_the_call_did(runs_root, tmp_path):
     info = fanrun.Run(STARTED.search(failed.stderr).group(1)).info
     assert info["status"] == "FAILED" and info["reason"].startswith("RankFailedError: Rank 0 of 1") and "\n" not in info["reason"]
 
-    interrupted = subprocess.Popen([sys.executable, "-m", "fanrun", "run", "-n", "1", "--accelerator-type", "CPU",
+    # Ctrl+C, and a scheduler's SIGTERM, which `fanrun run` takes as Ctrl+C.
+    for signo, exit_code, reason in [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped (SystemExit 143)")]:
+        stopped = subprocess.Popen([sys.executable, "-m", "fanrun", "run", "-n", "1", "--accelerator-type", "CPU",
                                     "--no-python", "/bin/sh", "-c", "echo waiting; exec sleep 300"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        run_id = started_id(interrupted)
-        Lines(interrupted.stdout).until("waiting")
-        interrupted.send_signal(signal.SIGINT)
-        interrupted.communicate(timeout=60)
-    finally:
-        stop(interrupted)
-    assert interrupted.returncode == 130
-    assert fanrun.Run(run_id).info["status"] == "KILLED" and fanrun.Run(run_id).info["reason"] == "interrupted"
+        try:
+            run_id = started_id(stopped)
+            Lines(stopped.stdout).until("waiting")
+            stopped.send_signal(signo)
+            stopped.communicate(timeout=60)
+        finally:
+            stop(stopped)
+        assert stopped.returncode == exit_code
+        info = fanrun.Run(run_id).info
+        assert (info["status"], info["reason"]) == ("KILLED", reason), info
 
 
 @distributed(num_accelerators=1, accelerator_type="CPU", tracking=False)

@@ -349,8 +349,10 @@ def of_call(name: str, world_size: int, given: RunRecord | None = None) -> Itera
         except Exception as error:
             _end(record, FAILED, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}")
             raise
-        except BaseException as error:  # KeyboardInterrupt, or SystemExit after SIGTERM
-            _end(record, KILLED, "interrupted" if isinstance(error, KeyboardInterrupt) else "stopped")
+        except BaseException as error:  # KeyboardInterrupt, or SystemExit (`fanrun run`'s on SIGTERM: 143)
+            stopped = f"stopped (SystemExit {error.code})" if isinstance(error, SystemExit) else \
+                f"stopped ({type(error).__name__})"
+            _end(record, KILLED, "interrupted" if isinstance(error, KeyboardInterrupt) else stopped)
             raise
         _end(record, FINISHED)
     finally:
