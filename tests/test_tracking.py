@@ -579,9 +579,9 @@ def test_fanrun_run_leaves_mlflow_alone_unless_a_flag_makes_a_run_that_every_ran
     run = only_run(client, experiment_id)
     assert run.info.status == "FINISHED" and run.info.run_name.startswith("tracked.py-")
     assert by_rank(client, run.info.run_id, "loss")[1] == [(s, 10.0 + s) for s in range(3)]
-    from fanrun._detached import store
+    from fanrun._launch.records import RunRecord
 
-    runner = store.read_json(store.find(done.stdout.splitlines()[0]), store.RUNNER)["pid"]
+    runner = RunRecord.find(done.stdout.splitlines()[0]).read_runner()["pid"]
     assert wait_gone([runner], timeout=10) == []
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import fanrun
-from fanrun._detached import store
+from fanrun._launch import records
 from processes import wait_gone
 
 JOB = textwrap.dedent('''
@@ -102,8 +102,8 @@ def wait_until(ready, run, timeout: float = 120.0) -> None:
 def test_a_two_node_workload_without_a_cluster_address_is_refused_before_anything_starts(tmp_path, monkeypatch):
     for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         monkeypatch.delenv(name, raising=False)
-    before = set(store.all_runs())
+    before = {record.id for record in records.all_records()}
     done = submit(tmp_path)
     assert done.returncode == 2
     assert "compute.nodes: 2 runs as a job of a Ray cluster: pass --ray-address http://HEAD:8265" in done.stderr
-    assert set(store.all_runs()) == before
+    assert {record.id for record in records.all_records()} == before
