@@ -25,9 +25,18 @@ def chatty():
     return os.environ["FANRUN_RUN_DIR"]
 
 
+def after_the_start_line(err: str) -> str:
+    """The call's stderr after the one line it says as it starts (the run's id)."""
+    first, _, rest = err.partition("\n")
+    assert re.fullmatch(r"fanrun: run \S+-\d{8}-\d{6}-[0-9a-f]{6} started: .*; fanrun stacks \S+ shows every rank's stack",
+                        first), err
+    return rest
+
+
 def test_lines_are_labelled_and_go_to_the_right_stream(capsys):
     run_dir = chatty.distributed()[0]
     out, err = capsys.readouterr()
+    err = after_the_start_line(err)
     assert sorted(out.splitlines()) == ["[rank0]: hello from 0", "[rank1]: hello from 1"]
     assert sorted(err.splitlines()) == ["[rank0]: warning from 0", "[rank1]: warning from 1"]
     log = Path(run_dir, "rank_1.log").read_text()
@@ -49,6 +58,7 @@ def test_progress_bar_redraws_in_place(capsys):
 
     progress.distributed()
     out, err = capsys.readouterr()
+    err = after_the_start_line(err)
     assert out == "[rank0]: done\n"
     # Each state drawn over the last, and the final one closed by a newline.
     assert re.fullmatch(r"(\[rank0\]: step 1/3)?(\r\[rank0\]: step [23]/3)*\r\[rank0\]: step 3/3\n", err) or \
