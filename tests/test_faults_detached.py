@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from private_files import write_private
 
 import fanrun
 from fanrun import distributed
@@ -253,14 +254,6 @@ def fill(path: Path) -> None:
                 filler.write(b"\0" * 4096)
         except OSError as error:
             assert error.errno == errno.ENOSPC, error
-
-
-def write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
 
 
 def test_a_damaged_run_is_listed_as_damaged_and_every_other_run_still_lists(runs_root, tmp_path):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from private_files import write_private
 
 import fanrun
 from fanrun import distributed
@@ -386,14 +387,6 @@ def test_a_notebook_calling_many_times_keeps_the_newest_hundred_records(runs_roo
     newest = records.all_records()[-1].id
     assert len(os.listdir(runs_root / "records")) == records.KEEP_RECORDS == 100
     assert [record.id for record in records.all_records()] == made[11:] + [newest]
-
-
-def write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
 
 
 def test_a_record_naming_a_directory_outside_the_runs_root_is_never_read(runs_root, tmp_path):
