@@ -38,12 +38,52 @@ ENVELOPE_KINDS = ("exception", "exit", "result")
 # Sent to a rank to dump every thread's Python stack into its log (faulthandler) without
 # stopping it: by the engine at a timeout, by `fanrun stacks` at any time.
 STACK_DUMP_SIGNAL = signal.SIGUSR2
+# Sent by the stall watch to gather a rank's stacks into forensics_stacks_name(rank) instead.
+FORENSICS_SIGNAL = signal.SIGRTMIN + 4
 
 
 def panel_metrics_name(rank: int) -> str:
     """The metric points the rank logged, one "key<TAB>step<TAB>value" line each, for the caller's
     live panel; written by the rank only where ENV_PANEL_METRICS is set."""
     return f"rank_{rank}.metrics.tsv"
+
+
+def progress_name(rank: int) -> str:
+    """The rank's progress, PROGRESS_SIZE bytes in PROGRESS_FORMAT, which the rank keeps mapped and
+    rewrites in place as it steps, fetches batches and enters collectives (progress.py); read by
+    the caller's stall watch (_launch/stall_watch.py)."""
+    return f"rank_{rank}.progress"
+
+
+def forensics_stacks_name(rank: int) -> str:
+    """Where the rank's faulthandler writes every thread's stack on FORENSICS_SIGNAL: a file of
+    its own, so that the stacks gathered for a stall report never reach the user's display."""
+    return f"rank_{rank}.stacks"
+
+
+def forensics_ask_name(rank: int) -> str:
+    """A FIFO the rank's forensics thread reads: a line written there asks it for its evidence."""
+    return f"rank_{rank}.ask"
+
+
+def forensics_answer_name(rank: int) -> str:
+    """The rank's evidence (JSON: its flight recorder's last collectives), written on each ask."""
+    return f"rank_{rank}.evidence.json"
+
+
+# A rank's progress record, little-endian: magic, state, pid, optimizer steps, DataLoader
+# batches, collectives entered through torch.distributed's Python functions, the time (time.time())
+# the state began, the last sign of progress, the last step's end, the last step's length and
+# the seconds of it spent waiting for data and in collectives, the same two summed over the
+# call, and the name of the current (or last) collective.
+PROGRESS_FORMAT = "<8sIIqqqddddddddd24s"
+PROGRESS_MAGIC = b"fanrunP1"
+PROGRESS_FIELDS = ("magic", "state", "pid", "steps", "batches", "collectives", "state_since", "progress_at",
+                   "step_at", "step_s", "step_data_s", "step_comm_s", "data_s", "comm_s", "reserved", "op")
+# What the rank is doing, the record's "state".
+STATE_COMPUTE = 0  # anything but the two below: its own code
+STATE_DATA = 1  # in a DataLoader's __next__
+STATE_COLLECTIVE = 2  # in a collective of torch.distributed (op, the `collectives`-th)
 
 
 def log_name(rank: int) -> str:
@@ -62,6 +102,7 @@ ENV_SPARE = "FANRUN_SPARE_OF"  # in a spare rank's first environment: the pid of
 ENV_RESTART_COUNT = "FANRUN_RESTART_COUNT"  # which attempt this is: 0, then 1 after the first restart (max_restarts)
 ENV_MAX_RESTARTS = "FANRUN_MAX_RESTARTS"  # how many restarts the call allows
 ENV_PANEL_METRICS = "FANRUN_PANEL_METRICS"  # "1": the caller's panel plots the metrics the rank logs
+ENV_PROGRESS = "FANRUN_PROGRESS"  # "1": the rank keeps its progress record and answers forensics (progress.py)
 ENV_KEEP_ALIVE = "FANRUN_KEEP_ALIVE"  # "1": a spare rank that ends its call well stays for the next (CONTROL_KEPT)
 
 # The control channel: a pipe at this descriptor in every rank, one message a line.

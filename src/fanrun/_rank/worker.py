@@ -46,6 +46,9 @@ _handlers_installed = False
 # Sends the metrics this rank logged and has not sent yet (tracking.py), before it reports its
 # result or its failure.
 _flush_metrics = None
+# progress.py's globals, loaded once per process: the torch functions it times keep calling into
+# them, call after call of a kept rank.
+_progress = None
 
 
 def bootstrap_code() -> str:
@@ -56,7 +59,7 @@ def bootstrap_code() -> str:
 def main() -> None:
     """Runs the call of sys.argv and os.environ; once per process, or once per call of a rank
     kept between calls (_rank/spare.py)."""
-    global _exit_status, _handlers_installed, _flush_metrics
+    global _exit_status, _handlers_installed, _flush_metrics, _progress
     _exit_status, _flush_metrics = 1, None
     if not _handlers_installed:
         _handlers_installed = True
@@ -80,6 +83,10 @@ def main() -> None:
     mode = sys.argv[1]
     run_dir = Path(os.environ[_contract.ENV_RUN_DIR])
     rank = int(os.environ["RANK"])
+    if os.environ.get(_contract.ENV_PROGRESS) == "1":
+        if _progress is None:
+            _progress = _sibling("progress.py")
+        _progress["install"](str(run_dir), rank)
     if mode == "function":
         _run_function(run_dir, rank)
     else:

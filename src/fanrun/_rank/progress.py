@@ -1,0 +1,276 @@
+"""A rank's progress, observed without a change to its code, and its evidence when it stalls.
+
+Progress: once torch is imported, three things that training code already does are timed:
+the optimizer's steps (torch's global step post-hook), a DataLoader's batches (its iterators'
+__next__) and the collectives of torch.distributed's Python functions. Each rewrites this rank's
+progress record (the contract's PROGRESS_FORMAT) in a file the rank keeps mapped: a store to
+memory, read by the caller's stall watch (_launch/stall_watch.py) whenever it looks. A rank whose
+every thread is stuck can still be read, as the record lies in the page cache, not in the rank.
+
+Evidence, when the caller asks for it:
+- every thread's Python stack, which faulthandler writes on FORENSICS_SIGNAL into the rank's
+  stacks file (it needs no GIL, so a rank stuck in native code that holds it still answers);
+- the last collectives of torch's flight recorder, and the main thread's stack as frames, which
+  a thread of this rank writes when a line comes on its FIFO. That thread needs the GIL: a rank
+  whose native code holds it cannot answer, which is itself the evidence.
+
+Run as a file by the worker, like the worker itself: standard library only; torch is never
+imported here.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import importlib.util
+import json
+import mmap
+import os
+import runpy
+import struct
+import sys
+import threading
+import time
+import traceback
+
+_contract = runpy.run_path(os.path.join(os.path.dirname(__file__), "contract.py"))
+_FORMAT = struct.Struct(_contract["PROGRESS_FORMAT"])
+_FIELD = {name: index for index, name in enumerate(_contract["PROGRESS_FIELDS"])}
+_COMPUTE, _DATA, _COLLECTIVE = _contract["STATE_COMPUTE"], _contract["STATE_DATA"], _contract["STATE_COLLECTIVE"]
+
+# torch.distributed's collectives that user code calls; each one entered counts once (the ones
+# that others call inside, as all_gather_object calls all_gather, are not counted again).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+               "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+               "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+               "scatter_object_list", "send")
+# How many of the flight recorder's last entries a rank's evidence holds.
+EVIDENCE_COLLECTIVES = 16
+
+_record: _Record | None = None  # this call's record; a kept rank gets a new one each call
+_patched = False
+
+
+class _Record:
+    """The mapped progress record and the values it holds, kept here too so that an update
+    packs the whole record at once (one pack_into, about a microsecond)."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, _FORMAT.size)
+            self._map = mmap.mmap(fd, _FORMAT.size)
+        finally:
+            os.close(fd)
+        now = time.time()
+        self.values = [_contract["PROGRESS_MAGIC"], _COMPUTE, os.getpid(), 0, 0, 0, now, 0.0, 0.0, 0.0, 0.0, 0.0,
+                       0.0, 0.0, 0.0, b""]
+        self.depth = 0  # collectives inside a collective are not counted
+        self.step_data_from = self.step_comm_from = 0.0  # data_s and comm_s when the last step ended
+        self.write()
+
+    def write(self) -> None:
+        _FORMAT.pack_into(self._map, 0, *self.values)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+def install(run_dir: str, rank: int) -> None:
+    """Starts this call's record, stacks file and forensics thread, and times torch once it is imported."""
+    global _record
+    if _record is not None:
+        _record.close()
+    _record = _Record(os.path.join(run_dir, _contract["progress_name"](rank)))
+    _Forensics.start(run_dir, rank)
+    if "torch" in sys.modules:
+        _patch_torch()
+    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("torch", _patch_torch))
+
+
+class _AfterImport:
+    """A meta path finder that calls `after()` once a module's first import has run."""
+
+    def __init__(self, name: str, after) -> None:
+        self._name = name
+        self._after = after
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self._name:
+            return None
+        sys.meta_path.remove(self)  # once only, and the real finders must not meet it again
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, after = spec.loader.exec_module, self._after
+
+        def exec_then_call_back(module) -> None:
+            exec_module(module)
+            after()
+
+        spec.loader.exec_module = exec_then_call_back
+        return spec
+
+
+def _patch_torch() -> None:
+    """Times torch's steps, batches and collectives, once per process: a kept rank's later calls
+    find them timed already, and write to their own record."""
+    global _patched
+    if _patched:
+        return
+    _patched = True
+    torch = sys.modules["torch"]
+    try:
+        torch.optim.optimizer.register_optimizer_step_post_hook(_stepped)
+    except AttributeError:
+        pass  # a torch without global optimizer hooks: no steps, the rest still tells
+    try:
+        iterator = torch.utils.data.dataloader._BaseDataLoaderIter
+        iterator.__next__ = _timed_next(iterator.__next__)
+    except AttributeError:
+        pass
+    distributed = getattr(torch, "distributed", None)
+    c10d = getattr(distributed, "distributed_c10d", None)
+    if c10d is None:
+        return
+    for name in COLLECTIVES:
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+        timed = _timed_collective(name, original)
+        setattr(c10d, name, timed)
+        if getattr(distributed, name, None) is original:
+            setattr(distributed, name, timed)
+
+
+def _stepped(optimizer, args, kwargs) -> None:
+    record = _record
+    if record is None:
+        return
+    values, now = record.values, time.time()
+    if values[_FIELD["steps"]]:
+        values[_FIELD["step_s"]] = now - values[_FIELD["step_at"]]
+        values[_FIELD["step_data_s"]] = values[_FIELD["data_s"]] - record.step_data_from
+        values[_FIELD["step_comm_s"]] = values[_FIELD["comm_s"]] - record.step_comm_from
+    record.step_data_from, record.step_comm_from = values[_FIELD["data_s"]], values[_FIELD["comm_s"]]
+    values[_FIELD["steps"]] += 1
+    values[_FIELD["step_at"]] = values[_FIELD["progress_at"]] = now
+    record.write()
+
+
+def _timed_next(next_batch):
+    @functools.wraps(next_batch)
+    def timed_next(self):
+        record = _record
+        if record is None or record.depth:
+            return next_batch(self)
+        values = record.values
+        started = time.time()
+        values[_FIELD["state"]], values[_FIELD["state_since"]] = _DATA, started
+        record.write()
+        try:
+            return next_batch(self)
+        finally:
+            now = time.time()
+            values[_FIELD["data_s"]] += now - started
+            values[_FIELD["batches"]] += 1
+            values[_FIELD["state"]], values[_FIELD["state_since"]] = _COMPUTE, now
+            values[_FIELD["progress_at"]] = now
+            record.write()
+
+    return timed_next
+
+
+def _timed_collective(name: str, collective):
+    op = name.encode()
+
+    @functools.wraps(collective)
+    def timed_collective(*args, **kwargs):
+        record = _record
+        if record is None or record.depth:
+            return collective(*args, **kwargs)
+        values = record.values
+        started = time.time()
+        values[_FIELD["collectives"]] += 1
+        values[_FIELD["state"]], values[_FIELD["state_since"]], values[_FIELD["op"]] = _COLLECTIVE, started, op
+        record.write()
+        record.depth += 1
+        try:
+            return collective(*args, **kwargs)
+        finally:
+            record.depth -= 1
+            now = time.time()
+            values[_FIELD["comm_s"]] += now - started
+            values[_FIELD["state"]], values[_FIELD["state_since"]] = _COMPUTE, now
+            values[_FIELD["progress_at"]] = now
+            record.write()
+
+    return timed_collective
+
+
+class _Forensics:
+    """This call's stacks file, registered with faulthandler, and the thread that answers its FIFO."""
+
+    current: _Forensics | None = None
+
+    def __init__(self, run_dir: str, rank: int) -> None:
+        self._answer = os.path.join(run_dir, _contract["forensics_answer_name"](rank))
+        stacks = os.path.join(run_dir, _contract["forensics_stacks_name"](rank))
+        self._stacks = open(os.open(stacks, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                    0o600), "wb", buffering=0)
+        ask = os.path.join(run_dir, _contract["forensics_ask_name"](rank))
+        os.mkfifo(ask, 0o600)
+        # Read and write: opening never waits for a writer, and a read never sees an end.
+        self._ask_fd = os.open(ask, os.O_RDWR | os.O_CLOEXEC)
+        self._main = threading.main_thread().ident
+
+    @classmethod
+    def start(cls, run_dir: str, rank: int) -> None:
+        if cls.current is not None:
+            cls.current.stop()
+        forensics = cls.current = cls(run_dir, rank)
+        faulthandler.register(_contract["FORENSICS_SIGNAL"], file=forensics._stacks, all_threads=True, chain=False)
+        threading.Thread(target=forensics._answer_asks, name="fanrun-forensics", daemon=True).start()
+
+    def stop(self) -> None:
+        os.write(self._ask_fd, b"stop\n")  # the thread closes its FIFO when it reads this
+
+    def _answer_asks(self) -> None:
+        with os.fdopen(self._ask_fd, "rb", buffering=0) as asks, self._stacks:
+            while True:
+                line = asks.readline()
+                if not line or line.startswith(b"stop"):
+                    return
+                try:
+                    self._write_evidence()
+                except Exception as error:  # evidence is best effort: the stacks file still has the stacks
+                    self._write({"error": f"{type(error).__name__}: {error}"})
+
+    def _write_evidence(self) -> None:
+        frame = sys._current_frames().get(self._main)
+        stack = [[f.filename, f.lineno, f.name] for f in traceback.extract_stack(frame)] if frame else []
+        self._write({"time": time.time(), "main_stack": stack, "collectives": _flight_recorder()})
+
+    def _write(self, evidence: dict) -> None:
+        tmp = f"{self._answer}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(evidence, out)
+        os.replace(tmp, self._answer)
+
+
+def _flight_recorder() -> list[dict] | None:
+    """The last collectives torch's flight recorder holds (seq, op, state, when created); None
+    where torch is not imported or keeps no record (TORCH_FR_BUFFER_SIZE unset or 0)."""
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+    if dump is None:
+        return None
+    try:
+        entries = json.loads(dump(includeCollectives=True)).get("entries", [])
+    except Exception:
+        return None
+    return [{"seq": entry.get("collective_seq_id"), "op": entry.get("profiling_name"), "state": entry.get("state"),
+             "created_ns": entry.get("time_created_ns"), "group": (entry.get("process_group") or [None])[-1]}
+            for entry in entries[-EVIDENCE_COLLECTIVES:]]
