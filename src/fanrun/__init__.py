@@ -20,6 +20,7 @@ from ._errors import NodeLostError as NodeLostError
 from ._errors import PayloadSerializationError as PayloadSerializationError
 from ._errors import PayloadSizeWarning as PayloadSizeWarning
 from ._errors import RankFailedError as RankFailedError
+from ._errors import RankStalledError as RankStalledError
 from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import ResultSerializationError as ResultSerializationError
 from ._errors import RunCancelledError as RunCancelledError
@@ -95,6 +96,7 @@ __all__ = [
     "PayloadSerializationError",
     "PayloadSizeWarning",
     "RankFailedError",
+    "RankStalledError",
     "RemoteTraceback",
     "ResultSerializationError",
     "Run",

@@ -17,6 +17,7 @@ from ._spec import payload as _payload
 from ._spec.display import check_display
 from ._spec.program import RankProgram
 from ._spec.spec import DEFAULT_STALL_WARNING_S, DEFAULT_TIMEOUT_S, Options
+from ._spec.stall import check_stall
 from ._tracking import caller as call_tracking
 from .backends.local import spares
 
@@ -81,6 +82,8 @@ def distributed(
     max_restarts: int = 0,
     display: str | None = None,
     stall_warning: float | None = DEFAULT_STALL_WARNING_S,
+    stall_timeout: float | None = None,
+    on_stall: Any = "report",
 ):
     """Decorates a function so that `fn.distributed(*args, **kwargs)` runs it on every
     accelerator of this machine (CPU processes where there is none).
@@ -123,6 +126,15 @@ def distributed(
     notebook and logs elsewhere. The panel flags a rank with no output, progress or metric for
     ``stall_warning`` seconds (None: never); ``fanrun.stacks()`` or ``fanrun stacks RUN`` then
     shows where every rank is, without stopping it.
+
+    A call that makes no progress (no optimizer step, DataLoader batch, finished collective or
+    progress-bar update) for ``stall_timeout`` seconds has stalled. The default timeout is the
+    larger of 60 s and 10 step times once steps are seen, and 300 s before. fanrun then gathers
+    every rank's stacks, last collectives and last lines without stopping any, and names the
+    culprit rank and the reason in one sentence (docs/hangs.md). ``on_stall="report"`` (the
+    default) shows and keeps that report and lets the call go on; ``"abort"`` stops the call with
+    ``fanrun.RankStalledError``; a function is called with the report (a ``StallReport``), and
+    stops the call by raising; ``None`` watches for no stall.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, numbers.Number):
         return distributed()(num_accelerators)  # bare @distributed
@@ -162,10 +174,14 @@ def distributed(
         detach=detach,
         max_restarts=_check_restarts(max_restarts),
         **check_display(display, stall_warning),
+        **check_stall(stall_timeout, on_stall),
     )
     if keep_alive and (options.backend == "ray" or (options.nodes or 1) > 1):
         raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; ranks on a Ray "
                          "cluster start afresh each call: drop keep_alive=True, or nodes= and backend='ray'")
+    if detach and callable(on_stall):
+        raise ValueError("on_stall= a function runs in the calling process, and a detached run goes on in a process "
+                         "of its own: pass on_stall='report' or 'abort' with detach=True")
     if detach and keep_alive:
         raise ValueError("detach=True runs each call in a process of its own, which cannot keep this process's ranks "
                          "alive: drop keep_alive=True or detach=True")

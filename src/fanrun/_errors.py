@@ -83,6 +83,16 @@ class RunTimeoutError(TimeoutError, FanrunError):
         self.missing_stacks = missing_stacks or {}
 
 
+class RankStalledError(RuntimeError, FanrunError):
+    """The call made no progress for its stall timeout, and on_stall="abort" stopped it: `report`
+    is the stall's report (its verdict, and every rank's evidence), `culprits` the ranks it blames."""
+
+    def __init__(self, message: str, *, report) -> None:
+        super().__init__(message)
+        self.report = report
+        self.culprits = report.culprits
+
+
 class RunNotFoundError(LookupError, FanrunError):
     """run_id= names no MLflow run in the tracking store the call logs to."""
 

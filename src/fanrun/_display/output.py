@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import collections
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -73,6 +74,7 @@ class OutputMux:
         self._lines: dict[tuple[int, _core.Stream], _LineShown] = {}  # (rank, stream) -> its line so far
         self.stderr_tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(world_size)]
         self._capturing: dict[int, list[str]] | None = None
+        self._watched: tuple = ()
 
     def capture_stderr(self) -> dict[int, list[str]]:
         """From now on, keep every stderr line per rank instead of showing it (the stacks dumped
@@ -117,6 +119,22 @@ class OutputMux:
     def rank_exited(self, rank: int, exit_code: int, signal: int) -> None:
         if self.panel is not None:
             self.panel.exited(rank, exit_code, signal, time.monotonic())
+
+    def watched(self, steps: list[str], watch_flags: list[list[str]], stall: str) -> None:
+        """The stall watch's latest (_launch/stall_watch.py): each rank's step column and flags,
+        and the verdict of a stall that lasts; the panel shows them."""
+        if self.panel is not None and (steps, watch_flags, stall) != self._watched:
+            self._watched = (steps, watch_flags, stall)
+            self.panel.watched(steps, watch_flags, stall)
+
+    def stall(self, report, hint: str) -> None:
+        """A stall's report (_launch/stall_report.py): a panel shows its verdict (watched());
+        elsewhere it is said once, on stderr, whatever the display."""
+        if self.panel is not None:
+            return
+        flush_streams()
+        print(f"fanrun: run {report.run_id} stalled: {report.sentence} (no progress for {report.quiet_s:.0f} s). "
+              f"{hint}", file=sys.stderr, flush=True)
 
     def finish(self, ended_well: bool, failed_rank: int | None = None, failure: list[str] = ()) -> None:
         """The call's outcome is known: the panel shows its last state (the root cause's row red,

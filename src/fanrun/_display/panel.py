@@ -34,6 +34,8 @@ class RankRow:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last value of each
     gpu: tuple[float | None, float | None] | None = None  # its GPU's utilisation %, memory used in MB
     failure: list[str] = dataclasses.field(default_factory=list)
+    step: str = ""  # its step time and split, from the stall watch ("step 0.21 s · data 5% · comm 40%")
+    watch_flags: list[str] = dataclasses.field(default_factory=list)  # the stall watch's: straggler, stalled
 
 
 class Panel:
@@ -48,6 +50,7 @@ class Panel:
         self.lines_seen = 0
         self.plot_png: str | None = None  # base64: the ranks' metrics plotted (panel_plot.py)
         self.ended = False
+        self.stall = ""  # the stall's verdict, shown until progress resumes
 
     # ------------------------------------------------------------ what the ranks show
 
@@ -84,6 +87,12 @@ class Panel:
 
     def metrics(self, rank: int, latest: dict[str, float], now: float) -> None:
         self._alive(rank, now).metrics.update(latest)
+
+    def watched(self, steps: list[str], watch_flags: list[list[str]], stall: str) -> None:
+        """What the stall watch saw last: each rank's step column and flags, and the stall's verdict."""
+        for row, step, flagged in zip(self.rows, steps, watch_flags):
+            row.step, row.watch_flags = step, flagged
+        self.stall = stall
 
     def exited(self, rank: int, exit_code: int, signal: int) -> None:
         row = self.rows[rank]

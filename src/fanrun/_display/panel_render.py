@@ -23,7 +23,7 @@ def flags(panel: Panel, rank: int, now: float, stragglers: set[int]) -> list[str
         out.append(f"no progress for {_duration(quiet)}")
     if rank in stragglers:
         out.append("straggler: under half the median rate")
-    return out
+    return out + panel.rows[rank].watch_flags
 
 
 def _duration(seconds: float) -> str:
@@ -49,7 +49,8 @@ def gpu_words(row: RankRow) -> str:
 
 def progress_words(row: RankRow) -> str:
     """'train 45/100 45% 39.8 it/s 00:01 left loss=0.25', as far as the bar and the metrics tell."""
-    metrics = " ".join(f"{key}={value:.4g}" for key, value in list(row.metrics.items())[:3])
+    metrics = " ".join(part for part in (" ".join(f"{key}={value:.4g}" for key, value in list(row.metrics.items())[:3]),
+                                         row.step) if part)
     progress = row.progress
     if progress is None:
         return metrics
@@ -90,6 +91,9 @@ def text_rows(panel: Panel, now: float, colour: bool = False, width: int | None 
         line = f"rank {rank}  {row.where}{gpu}  {row.state:<8} {status}" + (f"  | {last}" if last else "")
         rows.append(red + line + reset if row.state == "failed" else line)
         rows.extend(f"{red}    {failure}{reset}" for failure in row.failure)
+    if panel.stall and not panel.ended:
+        stall = f"stalled: {panel.stall}"
+        rows.extend(yellow + line + reset for line in (textwrap.wrap(stall, width) if width else [stall]))
     for line in panel.run_hint.splitlines():
         rows.extend(textwrap.wrap(line, width, break_on_hyphens=False) if width else [line])
     return rows
@@ -107,9 +111,11 @@ def html_panel(panel: Panel, now: float) -> str:
              if panel.title else "")
     plot = (f'<img class="fanrun-plot" alt="the metrics the ranks logged, by step" '
             f'src="data:image/png;base64,{panel.plot_png}">' if panel.plot_png else "")
+    stall = (f'<div class="fanrun-stall" style="color:#e65100;margin-top:4px">&#9888; stalled: '
+             f'{html.escape(panel.stall)}</div>' if panel.stall and not panel.ended else "")
     return (f'<div class="fanrun-panel" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
             f'{title}<table style="border-collapse:collapse"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-            f'{plot}{hint}{_html_logs(panel)}</div>')
+            f'{plot}{stall}{hint}{_html_logs(panel)}</div>')
 
 
 def _html_logs(panel: Panel) -> str:

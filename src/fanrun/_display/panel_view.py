@@ -110,6 +110,10 @@ class PanelView:
         self._plot_stale = False
         self._dirty = True
 
+    def watched(self, steps: list[str], watch_flags: list[list[str]], stall: str) -> None:
+        self.panel.watched(steps, watch_flags, stall)
+        self._dirty = True
+
     def close(self) -> None:
         pass  # finish() draws the last state, once the call's outcome is known
 

@@ -16,7 +16,7 @@ from .._spec.spec import CallSpec, Options
 from .._tracking import hook as tracking
 from ..backends.local import KEEPER, spares
 from ..backends.rank_env import RANK_DEFAULTS
-from . import gpu_locks, records, run as attempt_run
+from . import gpu_locks, records, run as attempt_run, stall_outcome
 from .preflight import preflight
 
 
@@ -89,7 +89,8 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
                             contract.ENV_MAX_RESTARTS: str(spec.options.max_restarts)}
                 return attempt_run.run(spec, paths, extra_env={**spec.env, **tracked.rank_env, **restarts},
                                        warm=warm, keep=kept, open_gpu_sample=tracking.gpu_sampler(gpu_indices),
-                                       announce=attempt == 0)
+                                       announce=attempt == 0, attempt=attempt,
+                                       on_stall_report=stall_outcome.handler(spec.options.on_stall, paths, record))
 
 
 def _say(text: str) -> None:

@@ -19,16 +19,19 @@ from ..backends.local.spares import KeptRanks
 from . import hints, running_calls
 from .outcome import TimeoutReport, collect
 from .signals import SignalWakeup
+from .stall_watch import StallWatch
 
 # Whether this process has said that it found no GPU, and which warnings about the plan it gave:
 # once is enough, a notebook that calls again knows them by then.
 no_gpu_notice_shown = False
 plan_warnings_shown: set[str] = set()
+# The collectives torch's flight recorder keeps per process group in a watched call's ranks.
+FLIGHT_RECORDER_ENTRIES = 256
 
 
 def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: bool = False,
         keep: KeptRanks | None = None, open_gpu_sample: Callable[[], Callable | None] | None = None,
-        announce: bool = True) -> list[object]:
+        announce: bool = True, attempt: int = 0, on_stall_report: Callable | None = None) -> list[object]:
     """Runs one attempt of the call in `paths`, its directory; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
 
@@ -36,7 +39,8 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
     still win). `warm`: the ranks may be spares started ahead of the call (backends/local/spares.py).
     `keep`: the ranks may be the ones this holder kept from the last call, and this call's are
     kept there if it ends well (keep_alive). `open_gpu_sample()`, where a panel shows, gives what
-    samples the ranks' GPUs for it. `announce`: the run's id is said as it starts (its first attempt)."""
+    samples the ranks' GPUs for it. `announce`: the run's id is said as it starts (its first attempt).
+    `on_stall_report(report, mux)`, where the call is watched for stalls, takes each stall's report."""
     plan = spec.plan
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -65,18 +69,22 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
         with SignalWakeup() as wakeup:
             # The first attempt unless extra_env says otherwise, whatever the caller's environment holds.
             first_attempt = {contract.ENV_RESTART_COUNT: "0", contract.ENV_MAX_RESTARTS: "0"}
+            watched = on_stall_report is not None and plan.backend == "local" and spec.program.python
             launch = Launch(call=spec, paths=paths,
-                            env={**os.environ, **first_attempt, **mux.rank_env, **extra_env},
+                            env={**os.environ, **first_attempt, **mux.rank_env, **(_progress_env() if watched else {}),
+                                 **extra_env},
                             wakeup_fd=wakeup.read_fd, warm=warm, keep=keep, added=frozenset(extra_env))
             ranks = backends.for_plan(plan).start(launch)
             mux.started()
             running_calls.add(paths, ranks, local=plan.backend == "local")
             timeout_report = TimeoutReport(python=spec.program.python)
+            watch = StallWatch(paths, ranks, attempt, options.stall_timeout,
+                               lambda report: on_stall_report(report, mux)) if watched else None
             try:
-                _pump(ranks, mux, wakeup, timeout_report)
+                _pump(ranks, mux, wakeup, timeout_report, watch)
             except BaseException:
-                # Interrupted (Ctrl+C, a kernel interrupt) or broken: stop every rank
-                # before the exception leaves, and keep relaying output meanwhile.
+                # Interrupted (Ctrl+C, a kernel interrupt), stopped for a stall, or broken: stop
+                # every rank before the exception leaves, and keep relaying output meanwhile.
                 ranks.cancel()
                 try:
                     _pump(ranks, mux, wakeup, timeout_report)
@@ -106,21 +114,42 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
         paths.remove_bulky_files(plan.world_size)
 
 
-def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: TimeoutReport) -> None:
+def _progress_env() -> dict[str, str]:
+    """What a watched call's ranks get: their progress record, and torch's flight recorder with a
+    small buffer, unless the caller sized it."""
+    env = {contract.ENV_PROGRESS: "1"}
+    if not any(name in os.environ for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        env["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+    return env
+
+
+def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: TimeoutReport,
+          watch: StallWatch | None = None) -> None:
     # Every line of every rank is an event here: the kinds are looked up once.
     output, exited, timed_out = _core.EventKind.OUTPUT, _core.EventKind.RANK_EXITED, _core.EventKind.TIMED_OUT
+    progress = _core.SegmentKind.PROGRESS
     while True:
-        events, interrupted, done = ranks.wait(mux.seconds_to_redraw(), mux.gather_s)
+        wait = mux.seconds_to_redraw()
+        if watch is not None:
+            wait = watch.seconds_to_check() if wait < 0 else min(wait, watch.seconds_to_check())
+        events, interrupted, done = ranks.wait(wait, mux.gather_s)
         for event in events:
             kind = event.kind
             if kind is output:
                 mux.write(event.rank, event.stream, event.segment, event.data)
+                if watch is not None and event.segment is progress:
+                    watch.beat(event.rank)
             elif kind is exited:
                 mux.rank_exited(event.rank, event.exit_code, event.signal)
+                if watch is not None:
+                    watch.ended(event.rank)
             elif kind is timed_out:
                 # The stack-dump signal is out and the ranks still run: from here, stderr is
                 # kept, and what stands in the way of a dump can still be seen.
                 timeout_report.start(ranks, mux)
+        if watch is not None and not done:
+            watch.check()
+            mux.watched(*watch.shown())
         mux.flush()
         if interrupted:
             # Python's own handler runs as soon as this returns to the loop: a

@@ -136,7 +136,7 @@ def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str
     signalled = []
     with FileChanges([str(path) for path in logs.values() if path.exists()]) as changes:
         for rank, (pid, started) in enumerate(ranks):
-            why = _signal(pid, started)
+            why = send_signal(pid, started)
             if why is None:
                 signalled.append(rank)
             else:
@@ -163,8 +163,8 @@ def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str
     return out
 
 
-def _signal(pid: int, started: int | None) -> str | None:
-    """Sends the stack-dump signal to the rank; why not, where it cannot be."""
+def send_signal(pid: int, started: int | None, signo: int = STACK_DUMP_SIGNAL) -> str | None:
+    """Sends `signo` (the stack-dump signal) to the rank; why not, where it cannot be."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -173,7 +173,7 @@ def _signal(pid: int, started: int | None) -> str | None:
         # Checked once the pidfd holds the process: a pid reused since is another start time.
         if running_calls.start_time(pid) != started:
             return "it has ended"
-        signal.pidfd_send_signal(pidfd, STACK_DUMP_SIGNAL)
+        signal.pidfd_send_signal(pidfd, signo)
     except ProcessLookupError:
         return "it has ended"
     finally:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import importlib
 import importlib.util
 import json
 import mmap
@@ -120,20 +121,20 @@ def _patch_torch() -> None:
     if _patched:
         return
     _patched = True
-    torch = sys.modules["torch"]
     try:
-        torch.optim.optimizer.register_optimizer_step_post_hook(_stepped)
-    except AttributeError:
+        importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook(_stepped)
+    except (ImportError, AttributeError):
         pass  # a torch without global optimizer hooks: no steps, the rest still tells
     try:
-        iterator = torch.utils.data.dataloader._BaseDataLoaderIter
+        iterator = importlib.import_module("torch.utils.data.dataloader")._BaseDataLoaderIter
         iterator.__next__ = _timed_next(iterator.__next__)
-    except AttributeError:
+    except (ImportError, AttributeError):
         pass
-    distributed = getattr(torch, "distributed", None)
-    c10d = getattr(distributed, "distributed_c10d", None)
-    if c10d is None:
-        return
+    try:
+        distributed = importlib.import_module("torch.distributed")
+        c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    except ImportError:
+        return  # a torch built without distributed
     for name in COLLECTIVES:
         original = getattr(c10d, name, None)
         if original is None:

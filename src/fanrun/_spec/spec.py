@@ -55,6 +55,10 @@ class Options:
     # How the ranks' output shows (DISPLAYS); the panel flags a rank quiet for stall_warning seconds.
     display: str | None = None
     stall_warning: float | None = DEFAULT_STALL_WARNING_S
+    # A call with no progress for stall_timeout seconds (None: tied to its step time) is reported
+    # (_launch/stall_watch.py): "report", "abort", a callable given the report, or None (not watched).
+    stall_timeout: float | None = None
+    on_stall: Any = "report"
 
 
 @dataclasses.dataclass(frozen=True)
