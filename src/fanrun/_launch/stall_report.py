@@ -13,8 +13,7 @@ from .._rank import contract
 _FORMAT = struct.Struct(contract.PROGRESS_FORMAT)
 STATES = {contract.STATE_COMPUTE: "compute", contract.STATE_DATA: "data", contract.STATE_COLLECTIVE: "collective"}
 # The report's files, in the attempt's run directory and in the run's record.
-REPORT_JSON = "stall-report.json"
-REPORT_TEXT = "stall-report.txt"
+REPORT_JSON, REPORT_TEXT = contract.STALL_REPORT_JSON, contract.STALL_REPORT_TEXT
 
 
 @dataclasses.dataclass(frozen=True)

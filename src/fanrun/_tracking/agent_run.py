@@ -22,6 +22,7 @@ from . import store as tracking_store
 from .agent_channel import FINISH_DEADLINE_S, START_DEADLINE_S, describe
 from ..backends.metric_relay import MetricRelay
 from .rank_values import write_other_ranks
+from .._rank.contract import STALL_REPORT_JSON, STALL_REPORT_TEXT
 from .._spec.paths import rank_log
 from .links import TrackedRun, masked
 from .system_metrics import SystemMetricsSampler, sampling_interval
@@ -304,11 +305,14 @@ def _close_run(
 
 
 def _upload_logs(run: TrackedRun, run_dir: Path, world_size: int) -> None:
-    """Every rank's full log as logs/rank_N.txt, linked (or copied) into a private folder of that layout."""
+    """Every rank's full log as logs/rank_N.txt, and the call's stall report where it stalled
+    (_launch/stall_outcome.py), linked (or copied) into a private folder of that layout."""
     staging = Path(tempfile.mkdtemp(prefix="fanrun-logs-"))  # 0700
     try:
-        for rank in range(world_size):
-            source, target = rank_log(run_dir, rank), staging / f"rank_{rank}.txt"
+        files = [(rank_log(run_dir, rank), f"rank_{rank}.txt") for rank in range(world_size)]
+        files += [(run_dir / name, name) for name in (STALL_REPORT_JSON, STALL_REPORT_TEXT)]
+        for source, name in files:
+            target = staging / name
             if not source.exists():
                 continue
             try:
