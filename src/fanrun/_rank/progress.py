@@ -198,14 +198,17 @@ def _timed_collective(name: str, collective):
         record.write()
         record.depth += 1
         try:
-            return collective(*args, **kwargs)
+            result = collective(*args, **kwargs)
         finally:
             record.depth -= 1
-            now = time.time()
-            values[_FIELD["comm_s"]] += now - started
-            values[_FIELD["state"]], values[_FIELD["state_since"]] = _COMPUTE, now
-            values[_FIELD["progress_at"]] = now
-            record.write()
+        # Not reached when it raised: the record still names the collective that failed, for the
+        # report of the call's failure (_launch/failure_peers.py).
+        now = time.time()
+        values[_FIELD["comm_s"]] += now - started
+        values[_FIELD["state"]], values[_FIELD["state_since"]] = _COMPUTE, now
+        values[_FIELD["progress_at"]] = now
+        record.write()
+        return result
 
     return timed_collective
 
