@@ -82,12 +82,21 @@ def install(run_dir: str, rank: int) -> None:
     global _record
     if _record is not None:
         _record.close()
+    else:
+        # A process forked from the rank (a DataLoader's worker) shares the mapping: its writes
+        # would be the rank's.
+        os.register_at_fork(after_in_child=_forget_record)
     _record = _Record(os.path.join(run_dir, _contract["progress_name"](rank)))
     _Forensics.start(run_dir, rank)
     if "torch" in sys.modules:
         _patch_torch()
     elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport("torch", _patch_torch))
+
+
+def _forget_record() -> None:
+    global _record
+    _record = None
 
 
 class _AfterImport:
