@@ -307,18 +307,20 @@ def _doing(evidence: RankEvidence, waiting: _Waits | None, now: float) -> tuple[
         return "unknown", lambda many: (_verb(many, "reports no progress", "report no progress")
                                         + (f"; {_verb(many, 'it is', 'they are')} {where}" if where else ""))
     called_from = f", called from {_caller(frames)}" if frames else ""
+    missed = waiting.missed(evidence) if waiting else None
+    # Where it is stuck in native code, the collective its peers wait in comes first.
+    never = f"never entered {missed}: it " if missed else ""
     if not evidence.answered:
         fetching = f" while fetching data (for {_duration(now - progress.state_since)})" if progress.state == "data" else ""
-        return "native-gil", lambda many: (f"{_verb(many, 'is', 'are')} stuck in native code that holds the GIL"
+        return "native-gil", lambda many: (f"{never}{_verb(many, 'is', 'are')} stuck in native code that holds the GIL"
                                            f"{fetching}{called_from}")
     if progress.state == "data":
         waited = _duration(now - progress.state_since)
         return "data", lambda many: f"{_verb(many, 'is', 'are')} in DataLoader.__next__ (waiting for data for {waited})"
-    missed = waiting.missed(evidence) if waiting else None
     if (frames and is_user_code(frames[-1][0]) and not _runs_python(evidence)
             and not (waiting and waiting.passed_by(evidence))):
         # A C function's frame is not shown: its Python caller is the innermost one.
-        return "native", lambda many: (f"{_verb(many, 'is', 'are')} in native code{called_from} "
+        return "native", lambda many: (f"{never}{_verb(many, 'is', 'are')} in native code{called_from} "
                                        f"({_verb(many, 'its GIL is', 'their GILs are')} free)")
     where = _where(frames)
     if missed:
