@@ -3,11 +3,11 @@
 Pure: it judges what stall_report.py holds, gathered elsewhere. The rules, first match wins:
 1. ranks in the same collective (by count, or by a process group's sequence number in the flight
    recorder) but in different operations: a mismatch; the minority is to blame;
-2. some ranks wait in a collective and others are not in one: those others, each by what it does;
+2. some ranks wait in a collective and others are not in it: those others, each by what it does.
+   Who waits is read from the progress records, else from the flight recorders (DDP's gradient
+   all-reduces are no Python call of torch.distributed, so the records show none);
 3. every rank waits in the same collective: the collective itself does not complete;
-4. the flight recorder shows ranks waiting in a collective that others never started (DDP's
-   gradient all-reduces, which no Python call of torch.distributed shows);
-5. otherwise, what each rank that still runs is doing.
+4. otherwise, what each rank that still runs is doing.
 """
 
 from __future__ import annotations
@@ -39,6 +39,22 @@ _LIBRARY = re.compile(r"[/\\](?:site-packages|dist-packages|torch|fanrun[/\\]_ra
 _MOST_CLAUSES = 3
 
 
+@dataclasses.dataclass
+class _Thread:
+    """A thread of a faulthandler dump."""
+
+    ident: str | None
+    frames: list[Frame] = dataclasses.field(default_factory=list)  # innermost first, as faulthandler writes them
+    truncated: bool = False
+
+    def likely_main(self) -> int:
+        """2: not started by threading; 1: cannot be told (its outermost frames were cut); 0: started by threading."""
+        if self.truncated:
+            return 1
+        file, _, function = self.frames[-1]
+        return 0 if os.path.basename(file) == "threading.py" and function in ("_bootstrap", "_bootstrap_inner") else 2
+
+
 def parse_stack(text: str) -> tuple[Frame, ...]:
     """The main thread's frames, outermost first, from faulthandler's text of every thread.
 
@@ -47,38 +63,25 @@ def parse_stack(text: str) -> tuple[Frame, ...]:
     threading.py's bootstrap there. Where that leaves several (a thread of _thread, a stack cut at
     100 frames), the last one listed wins: faulthandler lists the newest thread first. Where the
     text holds several dumps (a file appended to), the last one is read."""
-    dumps: list[list[tuple[str | None, list[Frame], bool]]] = [[]]
+    dumps: list[list[_Thread]] = [[]]
     for line in text.splitlines():
         header = _THREAD.match(line)
         if header or line.startswith(_ONE_THREAD):
             ident = header.group(1) if header else None
-            if ident is None or any(seen == ident for seen, _, _ in dumps[-1]):
+            if ident is None or any(thread.ident == ident for thread in dumps[-1]):
                 dumps.append([])  # a thread seen again, or a dump of one thread: a dump of its own
-            dumps[-1].append((ident, [], False))
+            dumps[-1].append(_Thread(ident))
         elif dumps[-1] and (frame := _FRAME.match(line)):
             file, number, function = frame.groups()
-            dumps[-1][-1][1].append((file or "???", int(number) if number.isdigit() else 0, function))
+            dumps[-1][-1].frames.append((file or "???", int(number) if number.isdigit() else 0, function))
         elif dumps[-1] and line.rstrip() == _TRUNCATED:
-            ident, frames, _ = dumps[-1][-1]
-            dumps[-1][-1] = (ident, frames, True)
-    threads = next((dump for dump in reversed(dumps) if any(frames for _, frames, _ in dump)), [])
-
-    def likely_main(thread: tuple[str | None, list[Frame], bool]) -> int:
-        _, frames, truncated = thread
-        if not frames:
-            return -1
-        if truncated:
-            return 1
-        outermost_file, _, outermost_function = frames[-1]
-        started_by_threading = (os.path.basename(outermost_file) == "threading.py"
-                                and outermost_function in ("_bootstrap", "_bootstrap_inner"))
-        return 0 if started_by_threading else 2
-
+            dumps[-1][-1].truncated = True
+    threads = next(([t for t in dump if t.frames] for dump in reversed(dumps) if any(t.frames for t in dump)), [])
     if not threads:
         return ()
-    best = max(likely_main(thread) for thread in threads)
-    main = [frames for thread in threads if likely_main(thread) == best for _, frames, _ in [thread]][-1]
-    return tuple(reversed(main))
+    best = max(thread.likely_main() for thread in threads)
+    main = [thread for thread in threads if thread.likely_main() == best][-1]
+    return tuple(reversed(main.frames))
 
 
 def is_user_code(file: str) -> bool:
