@@ -1636,3 +1636,29 @@ def test_each_ranks_step_time_and_its_waits_are_metrics_of_the_run_live_and_at_i
     # Rank 0 spends each step's last 60 ms waiting for rank 1 in the all_reduce.
     assert statistics.median(figures[0, "comm_wait_fraction"]) > statistics.median(figures[1, "comm_wait_fraction"])
     assert statistics.median(figures[0, "comm_wait_fraction"]) > 0.2, figures
+
+
+@distributed(num_accelerators=2, stall_timeout=3, on_stall="abort")
+def rank_1_sleeps() -> None:
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        time.sleep(120)
+
+
+def test_a_stalled_calls_run_keeps_its_stall_report_with_the_logs(sqlite_store, tmp_path):
+    client, experiment_id = sqlite_store
+    with pytest.raises(fanrun.RankStalledError) as stalled:
+        rank_1_sleeps.distributed()
+    report = stalled.value.report
+    run = only_run(client, experiment_id)
+    run_id = run.info.run_id
+    assert run.info.status == "FAILED"
+    assert {a.path for a in client.list_artifacts(run_id, "logs")} == {
+        "logs/rank_0.txt", "logs/rank_1.txt", "logs/stall-report.json", "logs/stall-report.txt"}
+    text = artifact_text(client, run_id, "logs/stall-report.txt", tmp_path)
+    assert text.startswith(f"run {report.run_id}: stall: {report.sentence}")
+    assert "--- rank 1 ---" in text
+    data = json.loads(artifact_text(client, run_id, "logs/stall-report.json", tmp_path))
+    assert data["run_id"] == report.run_id and data["verdict"]["sentence"] == report.sentence
