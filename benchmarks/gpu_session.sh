@@ -3,7 +3,7 @@
 # parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
 # given as wheels in .whl/.
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
-#   [checkpoint-tests] [checkpoint] [results]
+#   [checkpoint-tests] [checkpoint] [results] [stall]
 # On eight GPUs:
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
 # DRY_RUN=1 prints each step's command instead of running it, and installs nothing (the tests
@@ -66,6 +66,8 @@ for part in $parts; do
       FANRUN_TRACKING=0 step checkpoint 560 python3 benchmarks/checkpoint.py --device cuda --ranks 2 --dir /tmp/fanrun-checkpoint-bench ${CKPT_ARGS:---sizes 1} ;;
     # Large CUDA tensors returned by every rank, against torch.save + torch.load.
     results) FANRUN_TRACKING=0 step results 300 python3 benchmarks/results.py --device cuda --ranks ${RESULT_RANKS:-2} ;;
+    # Stalls: the verdict's latency at fanrun's default stall timeout, watching's cost, torch's own timeout.
+    stall) FANRUN_TRACKING=0 step stall 560 python3 benchmarks/stall.py --device cuda --ranks ${STALL_RANKS:-1} ${STALL_ARGS:-} ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done

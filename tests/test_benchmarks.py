@@ -43,6 +43,8 @@ SMOKE_RUNS = {
     "restart.py": ([], ["seconds from the death of rank 1 to the next attempt's first step", "  fanrun ",
                         "Goal: restart latency at most 0.5x torchrun's"]),
     "results.py": ([], ["cost of returning s", "torch.save+load s", "Goal: returning costs at most 1.5x"]),
+    "stall.py": ([], ["(a) Detection latency", "| rank 1 sleeps in its Dataset |", "| rank 1 skips a collective |",
+                      "(b) Observation cost", "watched/not watched:", "(c) torch alone", "default_pg_timeout", "Goals:"]),
     "table.py": ([], ["rows/s", "fanrun, cold", "ready-batches", "pyarrow", "hf-datasets", "streaming", "ray-data", "Goals:",
                       "warm: TableDataset >= 1.5x the best peer", "of batches it never reads"]),
     "throughput.py": ([], ["fanrun/torchrun", "ddp ", "fsdp "]),
@@ -106,7 +108,7 @@ def test_panel_benchmark_smoke_run_with_its_caller_in_a_notebook(tmp_path):
 
 def gpu_session_steps() -> list[tuple[str, list[str]]]:
     parts = ["checks", "examples", "gpu-tests", "notebooks", "throughput", "launch", "tracking",
-             "checkpoint-tests", "checkpoint", "results"]
+             "checkpoint-tests", "checkpoint", "results", "stall"]
     done = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), *parts], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -141,7 +143,7 @@ def load_benchmark(name: str):
     return module
 
 
-@pytest.mark.parametrize("benchmark", ["checkpoint", "results"])
+@pytest.mark.parametrize("benchmark", ["checkpoint", "results", "stall"])
 def test_gpu_step_arguments_are_valid(benchmark):
     """The GPU session's step of the benchmark parses, and the decorator it builds for --device
     cuda is accepted and plans one rank per GPU on a machine with two."""

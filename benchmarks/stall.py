@@ -1,0 +1,350 @@
+"""Stalls: how soon fanrun names a planted hang, what watching for one costs a training loop, and
+what torch alone does with the same hang, from one run on the same machine.
+
+(a) Detection latency: from the moment a rank begins to hang (it notes time.time()) to the moment
+    fanrun's verdict is shown (on_stall gets the report as it is printed), at the default stall
+    timeout (the larger of 60 s and 10 step times) unless --stall-timeout says otherwise. The hangs:
+    the last rank sleeps in its Dataset's __getitem__ (it is in DataLoader.__next__), and the last
+    rank skips a collective and waits in a function of its own. With one rank: the slow Dataset,
+    and on CUDA a hang between two streams (a side stream spins in torch.cuda._sleep, the main
+    stream waits on its event, then .item()).
+(b) The cost of watching: the same DDP loop (gloo on CPUs, NCCL on CUDA) with on_stall=None (not
+    watched: no progress record, no flight recorder) and with the default; rank 0's steps/s after
+    a warm-up, alternating, median of --repeat.
+(c) torch alone on the same hangs: fanrun with on_stall=None, so that only torch acts, and a
+    process-group timeout of --torch-timeout seconds given to init_process_group: the time until
+    torch's own error reaches the caller. Printed beside it: the timeout torch waits by default.
+
+    python benchmarks/stall.py [--ranks 2] [--device cpu|cuda] [--stall-timeout S] [--torch-timeout 20]
+                               [--repeat 5] [--steps 300] [--parts latency cost torch] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Goals: the verdict within this long after the stall timeout (the evidence's gathering), and
+# watching costs at most this share of the steps/s.
+LATENCY_GOAL_S = 5.0
+COST_GOAL = 0.02
+AT_STEP = 5  # the step at which the last rank hangs, once steps have been timed
+PLANT_MARK = "planted"
+
+
+class Stop(Exception):
+    """Raised by on_stall once the planted hang's report has come: the call stops at once."""
+
+
+class Reports:
+    """on_stall: the first report once the hang is planted (in `marks`), and when it came. One
+    before it (a quiet start-up longer than a short --stall-timeout) lets the call go on."""
+
+    def __init__(self, marks: Path) -> None:
+        self.marks = marks
+        self.report = None
+        self.at = 0.0
+
+    def __call__(self, report) -> None:
+        if not (self.marks / PLANT_MARK).exists():
+            return
+        self.report, self.at = report, time.time()
+        raise Stop
+
+
+def planted(case: str, marks: str, hang_s: float, device: str, pg_timeout_s: float | None, steps: int) -> None:
+    """One rank of a short training loop (DDP, a DataLoader, the mean loss all-reduced and logged
+    each step); the last rank hangs at AT_STEP as `case` says."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    timeout = {"timeout": datetime.timedelta(seconds=pg_timeout_s)} if pg_timeout_s else {}
+    dist.init_process_group("nccl" if on_gpu else "gloo", **timeout)
+    where = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    hangs = case if rank == world_size - 1 else ""
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64).to(where),
+                                                      device_ids=[where.index] if on_gpu else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(Samples(hangs == "data", marks, hang_s), batch_size=8)
+    for step, batch in enumerate(loader):
+        loss = model(batch.to(where)).square().mean()
+        mean = loss.detach().clone()
+        if step == AT_STEP and hangs == "skipped":
+            mark(marks)
+            wait_in_own_function(hang_s)  # then skips this step's all_reduce
+        elif step == AT_STEP and hangs == "streams":
+            mark(marks)
+            streams_wait(hang_s, where)
+        else:
+            dist.all_reduce(mean)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean.item()  # logged: on CUDA, where the host waits for the step
+        if step == steps:
+            break
+    dist.destroy_process_group()
+
+
+class Samples:
+    """Random inputs; the AT_STEP-th batch's first sample takes `hang_s` to come, where `slow`."""
+
+    def __init__(self, slow: bool, marks: str, hang_s: float) -> None:
+        self.slow, self.marks, self.hang_s = slow, marks, hang_s
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, index: int):
+        import torch
+
+        if self.slow and index == AT_STEP * 8:
+            mark(self.marks)
+            time.sleep(self.hang_s)
+        return torch.randn(64)
+
+
+def mark(marks: str) -> None:
+    Path(marks, PLANT_MARK).write_text(repr(time.time()))
+
+
+def wait_in_own_function(hang_s: float) -> None:
+    import threading
+
+    threading.Event().wait(hang_s)
+
+
+def streams_wait(hang_s: float, where) -> None:
+    """A side stream spins for `hang_s` and records an event; the main stream waits on it, and the
+    host waits for the main stream (.item())."""
+    import torch
+
+    side, done = torch.cuda.Stream(where), torch.cuda.Event()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)  # the GPU's spin rate, in cycles per millisecond
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(hang_s * 1000 * cycles_per_ms))
+        done.record(side)
+    torch.cuda.current_stream(where).wait_event(done)
+    torch.ones(1, device=where).add_(1).item()
+
+
+def cases_for(ranks: int, device: str) -> list[tuple[str, str]]:
+    last = ranks - 1
+    cases = [("data", f"rank {last} sleeps in its Dataset")]
+    if ranks > 1:
+        cases.append(("skipped", f"rank {last} skips a collective"))
+    elif device == "cuda":
+        cases.append(("streams", "rank 0 waits on a spinning side stream"))
+    return cases
+
+
+def decorator_arguments(ranks: int, device: str) -> dict:
+    return {"num_accelerators": ranks, "accelerator_type": None if device == "cuda" else "CPU", "tracking": False,
+            "display": "quiet"}
+
+
+def planted_at(marks: Path) -> float | None:
+    path = marks / PLANT_MARK
+    return float(path.read_text()) if path.exists() else None
+
+
+def detection(case: str, args, marks: Path) -> dict:
+    """(a): the planted hang under fanrun's watch; the seconds from the hang to the verdict."""
+    from fanrun import distributed
+
+    reports = Reports(marks)
+    # Long enough to be reported; a call that never reports it ends by the call's timeout.
+    hang_s = (args.stall_timeout or 60.0) * 2 + 60
+    function = distributed(**decorator_arguments(args.ranks, args.device), stall_timeout=args.stall_timeout,
+                           on_stall=reports, timeout=hang_s + 120)(planted)
+    try:
+        function.distributed(case, str(marks), hang_s, args.device, None, AT_STEP + 10)
+    except Stop:
+        pass
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    began = planted_at(marks)
+    if reports.report is None or began is None:
+        return {"error": "no report came"}
+    report = reports.report
+    return {"latency": reports.at - began, "threshold": report.threshold_s, "sentence": report.sentence,
+            "cause": report.verdict.cause, "culprits": report.culprits}
+
+
+def torch_alone(case: str, args, marks: Path) -> dict:
+    """(c): the planted hang with fanrun not watching: the seconds until torch's error reaches the caller."""
+    from fanrun import distributed
+
+    hang_s = args.torch_timeout + 120
+    function = distributed(**decorator_arguments(args.ranks, args.device), on_stall=None,
+                           timeout=hang_s + 60)(planted)
+    try:
+        function.distributed(case, str(marks), hang_s, args.device, args.torch_timeout, AT_STEP + 10)
+    except Exception as error:
+        began = planted_at(marks)
+        first = (str(error).splitlines() or [""])[0]
+        return {"latency": time.time() - began if began else None, "error": f"{type(error).__name__}: {first[:160]}"}
+    return {"latency": None, "error": "the call ended well: torch raised nothing"}
+
+
+def steps_per_second(steps: int, warmup: int, device: str) -> float:
+    """(b): rank 0's steps/s of a DDP loop fed by a DataLoader, the mean loss all-reduced each step."""
+    import torch
+    import torch.distributed as dist
+
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    where = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    width, batch = (1024, 64) if on_gpu else (256, 32)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+    model = torch.nn.parallel.DistributedDataParallel(model.to(where), device_ids=[where.index] if on_gpu else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.utils.data.TensorDataset(torch.randn((steps + warmup) * batch, width))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch)
+    started = 0.0
+    for step, (inputs,) in enumerate(loader):
+        if step == warmup:
+            if on_gpu:
+                torch.cuda.synchronize()
+            dist.barrier()
+            started = time.perf_counter()
+        loss = model(inputs.to(where, non_blocking=True)).square().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        mean = loss.detach()
+        dist.all_reduce(mean)
+    if on_gpu:
+        torch.cuda.synchronize()
+    rate = steps / (time.perf_counter() - started)
+    dist.destroy_process_group()
+    return rate
+
+
+def cost(args) -> dict[str, list[float]]:
+    from fanrun import distributed
+
+    modes = {"on_stall=None (not watched)": {"on_stall": None}, "on_stall='report' (the default)": {}}
+    functions = {name: distributed(**decorator_arguments(args.ranks, args.device), **given)(steps_per_second)
+                 for name, given in modes.items()}
+    rates: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(args.repeat):  # alternating, so that drift hits both alike
+        for name, function in functions.items():
+            rates[name].append(function.distributed(args.steps, args.warmup, args.device)[0])
+    return rates
+
+
+def torch_defaults() -> list[str]:
+    import torch.distributed.constants as constants
+
+    lines = [f"default_pg_timeout (gloo, and any backend given no timeout=): "
+             f"{constants.default_pg_timeout.total_seconds():g} s"]
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    lines.append("default_pg_nccl_timeout (after which NCCL's watchdog aborts a collective): "
+                 + (f"{nccl.total_seconds():g} s" if nccl is not None else "none in this torch (built without NCCL)"))
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (default 2; with --device cuda, at most the GPUs)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--stall-timeout", type=float, default=None,
+                        help="fanrun's stall timeout in (a) (default: fanrun's own, the larger of 60 s and 10 step times)")
+    parser.add_argument("--torch-timeout", type=float, default=20.0,
+                        help="the process-group timeout given to init_process_group in (c) (default 20)")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds of (b); medians are shown (default 5)")
+    parser.add_argument("--steps", type=int, default=300, help="timed steps of (b) (default 300)")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--parts", nargs="+", choices=("latency", "cost", "torch"), default=["latency", "cost", "torch"])
+    parser.add_argument("--smoke", action="store_true",
+                        help="short timeouts, few steps, one round: that every path still runs (its figures mean nothing)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.stall_timeout = args.stall_timeout or 8.0
+        args.torch_timeout, args.repeat, args.steps, args.warmup = 8.0, 1, 20, 2
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    import tempfile
+
+    import torch
+
+    where = (f"{args.ranks} x {torch.cuda.get_device_name(0)}" if args.device == "cuda"
+             else f"{args.ranks} CPU processes, {os.cpu_count()} cores")
+    print(f"{where}; Python {sys.version.split()[0]}, torch {torch.__version__}", flush=True)
+    goals = []
+    if "latency" in args.parts:
+        timeout = f"{args.stall_timeout:g} s (--stall-timeout)" if args.stall_timeout else \
+            "fanrun's default: the larger of 60 s and 10 step times"
+        print(f"\n(a) Detection latency: seconds from the planted hang to fanrun's verdict; stall timeout {timeout}")
+        print("| hang | s to the verdict | stall timeout s | cause | culprits | verdict |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for case, label in cases_for(args.ranks, args.device):
+            with tempfile.TemporaryDirectory(prefix="fanrun-stall-bench-") as marks:
+                found = detection(case, args, Path(marks))
+            if "error" in found:
+                print(f"| {label} | FAILED: {found['error']} | | | | |", flush=True)
+                goals.append((f"{label}: a verdict", False, found["error"]))
+                continue
+            print(f"| {label} | {found['latency']:.1f} | {found['threshold']:g} | {found['cause']} | "
+                  f"{', '.join(map(str, found['culprits'])) or '-'} | {found['sentence']} |", flush=True)
+            late = found["latency"] - found["threshold"]
+            goals.append((f"{label}: verdict within the stall timeout + {LATENCY_GOAL_S:g} s",
+                          late <= LATENCY_GOAL_S, f"{late:+.1f} s"))
+    if "cost" in args.parts:
+        print(f"\n(b) Observation cost: rank 0's steps/s of a DDP loop, {args.steps} steps after {args.warmup}, "
+              f"median of {args.repeat}, alternating")
+        rates = cost(args)
+        print("| mode | steps/s | rounds |")
+        print("| --- | --- | --- |")
+        medians = {}
+        for name, values in rates.items():
+            medians[name] = statistics.median(values)
+            print(f"| {name} | {medians[name]:.2f} | {', '.join(f'{v:.2f}' for v in values)} |")
+        unwatched, watched = medians.values()
+        ratio = watched / unwatched
+        print(f"watched/not watched: {ratio:.3f}x", flush=True)
+        goals.append((f"watching costs at most {COST_GOAL:.0%} of the steps/s", ratio >= 1 - COST_GOAL, f"{ratio:.3f}x"))
+    if "torch" in args.parts:
+        print(f"\n(c) torch alone (fanrun with on_stall=None): init_process_group(timeout={args.torch_timeout:g} s); "
+              f"seconds from the planted hang to torch's error in the caller")
+        for line in torch_defaults():
+            print(f"torch's {line}")
+        print("| hang | s to torch's error | error |")
+        print("| --- | --- | --- |")
+        for case, label in cases_for(args.ranks, args.device):
+            if args.ranks == 1:
+                print(f"| {label} | never | no collective waits, so no timeout of torch's applies |")
+                continue
+            with tempfile.TemporaryDirectory(prefix="fanrun-stall-bench-") as marks:
+                found = torch_alone(case, args, Path(marks))
+            shown = f"{found['latency']:.1f}" if found["latency"] is not None else "-"
+            print(f"| {label} | {shown} | {found['error']} |", flush=True)
+    print("\nGoals:")
+    for what, met, figure in goals:
+        print(f"  {what}: {'holds' if met else 'NOT MET'} ({figure})")
+
+
+if __name__ == "__main__":
+    main()
