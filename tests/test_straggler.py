@@ -243,9 +243,6 @@ def test_two_real_ranks_under_ddp_the_slow_one_is_told_by_its_flight_recorder(tm
     assert all(straggler.rank == 1 for read in by_both for straggler in read)
 
 
-@pytest.mark.xfail(reason="_rank/progress.py reaches torch.optim.optimizer as an attribute, which torch 2.13's "
-                          "torch/optim/__init__.py deletes (`del optimizer`): the AttributeError is passed over, "
-                          "and no step is counted", strict=True)
 def test_progress_counts_optimizer_steps(tmp_path):
     counted = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""\
         import sys

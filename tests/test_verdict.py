@@ -311,7 +311,8 @@ def test_a_rank_stuck_in_c_code_that_holds_the_gil_is_named(stuck):
     """Its forensics thread could not answer; faulthandler, which needs no GIL, still wrote its stacks."""
     stack = stuck("spin")
     ranks = [waiting(0, 5), evidence(1, progress(1, collectives=4), stack=stack, answered=False)]
-    assert judged(ranks, NOW) == Judged(f"rank 1 is stuck in native code that holds the GIL, called from `spin` at "
+    assert judged(ranks, NOW) == Judged(f"rank 1 never entered collective #5: it is stuck in native code that holds the GIL, called "
+                                   f"from `spin` at "
                                    f"train.py:{line_of('SLEEP_HOLDING_THE_GIL(60)')}; rank 0 waits in all_reduce #5 for it",
                                    (1,), "native-gil")
 
@@ -319,7 +320,7 @@ def test_a_rank_stuck_in_c_code_that_holds_the_gil_is_named(stuck):
 def test_a_rank_stuck_in_c_code_that_releases_the_gil_is_named(stuck):
     stack = stuck("wait_in_c")
     ranks = [waiting(0, 5), evidence(1, progress(1, collectives=4), stack=stack, frames=parse_stack(stack))]
-    assert judged(ranks, NOW) == Judged(f"rank 1 is in native code, called from `wait_in_c` at "
+    assert judged(ranks, NOW) == Judged(f"rank 1 never entered collective #5: it is in native code, called from `wait_in_c` at "
                                    f"train.py:{line_of('SLEEP_RELEASING_THE_GIL(60)')} (its GIL is free); "
                                    "rank 0 waits in all_reduce #5 for it", (1,), "native")
 

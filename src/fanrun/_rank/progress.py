@@ -285,5 +285,5 @@ def _flight_recorder() -> list[dict] | None:
     except Exception:
         return None
     return [{"seq": entry.get("collective_seq_id"), "op": entry.get("profiling_name"), "state": entry.get("state"),
-             "created_ns": entry.get("time_created_ns"), "group": (entry.get("process_group") or [None])[-1]}
+             "created_ns": entry.get("time_created_ns"), "group": (entry.get("process_group") or [None])[0]}
             for entry in entries[-EVIDENCE_COLLECTIVES:]]
