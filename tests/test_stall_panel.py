@@ -17,7 +17,7 @@ from processes import wait_gone
 STALLED_CALL = """
 import fanrun
 
-@fanrun.distributed(num_accelerators=2, accelerator_type="CPU", tracking=False, stall_timeout=5, on_stall="abort")
+@fanrun.distributed(num_accelerators=2, accelerator_type="CPU", tracking=False, stall_timeout=20, on_stall="abort")
 def train():
     import time
     import torch
