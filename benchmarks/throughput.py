@@ -1,7 +1,8 @@
 """Training throughput (steps/s) of DDP and FSDP under fanrun and under torchrun, from one run on
 the same machine: once training runs, the launcher must cost nothing (ratio 1.00 within noise).
 "kept" is fanrun with keep_alive=True: from its second call on, the ranks are the processes of
-the call before.
+the call before. "unwatched" is fanrun with on_stall=None: its ranks keep no progress record and no
+flight recorder, so fanrun/unwatched is what the stall watch costs the training loop.
 
     python benchmarks/throughput.py [--steps 200] [--repeat 3] [--ranks N] [--kinds ddp fsdp]
 
@@ -64,10 +65,10 @@ def train(kind: str, steps: int, warmup: int) -> float:
     return rate
 
 
-def under_fanrun(kind: str, ranks: int, steps: int, warmup: int) -> float:
+def under_fanrun(kind: str, ranks: int, steps: int, warmup: int, on_stall: str | None = "report") -> float:
     from fanrun import distributed
 
-    return distributed(num_accelerators=ranks, tracking=False)(train).distributed(kind, steps, warmup)[0]
+    return distributed(num_accelerators=ranks, tracking=False, on_stall=on_stall)(train).distributed(kind, steps, warmup)[0]
 
 
 _KEPT: dict[tuple[str, int], object] = {}
@@ -111,18 +112,20 @@ def main() -> None:
     ranks = args.ranks or (torch.cuda.device_count() or 2)
     where = f"{ranks} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"{ranks} CPU processes"
     print(f"{where}; torch {torch.__version__}; {args.steps} timed steps after {args.warmup}, {args.repeat} repeats, alternating")
-    print(f"{'model':6} {'fanrun steps/s':>16} {'kept steps/s':>13} {'torchrun steps/s':>17} {'fanrun/torchrun':>16} "
-          f"{'kept/torchrun':>14}")
+    print(f"{'model':6} {'fanrun steps/s':>16} {'kept steps/s':>13} {'unwatched steps/s':>18} {'torchrun steps/s':>17} "
+          f"{'fanrun/torchrun':>16} {'kept/torchrun':>14} {'fanrun/unwatched':>17}")
     for kind in args.kinds:
-        fanrun_rates, kept_rates, torchrun_rates = [], [], []
+        fanrun_rates, kept_rates, unwatched_rates, torchrun_rates = [], [], [], []
         for _ in range(args.repeat):  # alternate, so that drift hits all alike
             fanrun_rates.append(under_fanrun(kind, ranks, args.steps, args.warmup))
             kept_rates.append(under_fanrun_kept(kind, ranks, args.steps, args.warmup))
+            unwatched_rates.append(under_fanrun(kind, ranks, args.steps, args.warmup, on_stall=None))
             torchrun_rates.append(under_torchrun(kind, ranks, args.steps, args.warmup))
-        f, k, t = (statistics.median(rates) for rates in (fanrun_rates, kept_rates, torchrun_rates))
+        f, k, u, t = (statistics.median(rates) for rates in (fanrun_rates, kept_rates, unwatched_rates, torchrun_rates))
         shown = ", ".join(f"{name} {[round(r, 2) for r in rates]}"
-                          for name, rates in (("fanrun", fanrun_rates), ("kept", kept_rates), ("torchrun", torchrun_rates)))
-        print(f"{kind:6} {f:16.2f} {k:13.2f} {t:17.2f} {f / t:15.3f}x {k / t:13.3f}x   ({shown})")
+                          for name, rates in (("fanrun", fanrun_rates), ("kept", kept_rates),
+                                              ("unwatched", unwatched_rates), ("torchrun", torchrun_rates)))
+        print(f"{kind:6} {f:16.2f} {k:13.2f} {u:18.2f} {t:17.2f} {f / t:15.3f}x {k / t:13.3f}x {f / u:16.3f}x   ({shown})")
     import fanrun
 
     fanrun.cooldown()  # the kept ranks

@@ -1566,3 +1566,99 @@ def test_calls_from_two_threads_at_once_get_runs_of_their_own(sqlite_store, tmp_
         assert set(run.data.metrics) & {"from_a", "from_b"} == {f"from_{label}"}
     assert results["a"][0] != results["b"][0]
     assert len(client.search_runs([experiment_id])) == 2
+
+
+# ---------------------------------------------------------------- the ranks' steps and stalls on the run
+
+
+@distributed(num_accelerators=2)
+def trains_in_steps(steps: int) -> int:
+    """A DDP-like loop of `steps` steps (as many on every rank, so that their all_reduces pair up):
+    a batch from a DataLoader whose every batch takes 30 ms, a step's work that takes rank 1 60 ms
+    longer, the gradients averaged with all_reduce, an optimizer step."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    class SlowData(torch.utils.data.Dataset):
+        def __len__(self):
+            return steps
+
+        def __getitem__(self, index):
+            time.sleep(0.03)
+            return torch.randn(8), torch.randn(1)
+
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    done = 0
+    for features, target in torch.utils.data.DataLoader(SlowData(), batch_size=1):
+        loss = torch.nn.functional.mse_loss(model(features), target)
+        optimizer.zero_grad()
+        loss.backward()
+        if rank == 1:
+            time.sleep(0.06)  # rank 0 waits for it in the all_reduce
+        for parameter in model.parameters():
+            dist.all_reduce(parameter.grad)
+            parameter.grad /= dist.get_world_size()
+        optimizer.step()
+        done += 1
+    dist.destroy_process_group()
+    return done
+
+
+def test_each_ranks_step_time_and_its_waits_are_metrics_of_the_run_live_and_at_its_end(sqlite_store, monkeypatch):
+    client, experiment_id = sqlite_store
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+    assert trains_in_steps.distributed(30) == [30, 30]  # about 3 s of steps, some 100 ms each
+    run = only_run(client, experiment_id)
+    run_id = run.info.run_id
+    # The last sample is the one taken as the run ends; host memory is in every sample.
+    last_sample = max(step for step, _ in history(client, run_id, "system/system_memory_usage_megabytes"))
+    figures = {}
+    for rank in (0, 1):
+        for name in ("step_time_s", "data_wait_fraction", "comm_wait_fraction"):
+            points = history(client, run_id, f"fanrun/rank_{rank}/{name}")
+            # Sampled while the ranks stepped, and once more at the end, each sample a step further.
+            assert len(points) >= 2, (rank, name, points)
+            assert [step for step, _ in points] == sorted({step for step, _ in points})
+            assert points[-1][0] == last_sample
+            figures[rank, name] = [value for _, value in points]
+    for rank in (0, 1):
+        # A step holds at least its batch's 30 ms, of which the DataLoader's wait is a share.
+        assert all(value >= 0.03 for value in figures[rank, "step_time_s"]), figures
+        for name in ("data_wait_fraction", "comm_wait_fraction"):
+            assert all(0 <= value <= 1 for value in figures[rank, name]), figures
+        assert statistics.median(figures[rank, "data_wait_fraction"]) > 0.1, figures
+    # Rank 0 spends each step's last 60 ms waiting for rank 1 in the all_reduce.
+    assert statistics.median(figures[0, "comm_wait_fraction"]) > statistics.median(figures[1, "comm_wait_fraction"])
+    assert statistics.median(figures[0, "comm_wait_fraction"]) > 0.2, figures
+
+
+@distributed(num_accelerators=2, stall_timeout=3, on_stall="abort")
+def rank_1_sleeps() -> None:
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        time.sleep(120)
+
+
+def test_a_stalled_calls_run_keeps_its_stall_report_with_the_logs(sqlite_store, tmp_path):
+    client, experiment_id = sqlite_store
+    with pytest.raises(fanrun.RankStalledError) as stalled:
+        rank_1_sleeps.distributed()
+    report = stalled.value.report
+    run = only_run(client, experiment_id)
+    run_id = run.info.run_id
+    assert run.info.status == "FAILED"
+    assert {a.path for a in client.list_artifacts(run_id, "logs")} == {
+        "logs/rank_0.txt", "logs/rank_1.txt", "logs/stall-report.json", "logs/stall-report.txt"}
+    text = artifact_text(client, run_id, "logs/stall-report.txt", tmp_path)
+    assert text.startswith(f"run {report.run_id}: stall: {report.sentence}")
+    assert "--- rank 1 ---" in text
+    data = json.loads(artifact_text(client, run_id, "logs/stall-report.json", tmp_path))
+    assert data["run_id"] == report.run_id and data["verdict"]["sentence"] == report.sentence

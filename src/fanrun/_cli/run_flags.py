@@ -12,6 +12,7 @@ from typing import Any
 from .._display.output import default_display
 from .._spec.display import FLAGS, check_display
 from .._spec.spec import DEFAULT_STALL_WARNING_S
+from .._spec.stall import FLAGS as STALL_FLAGS, check_stall
 from .._tracking.caller import enabled as tracking_enabled
 
 
@@ -24,6 +25,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     shown.add_argument("--stall-warning", default=None, metavar="SECONDS",
                        help="with --display panel: flag a rank with no output, progress or metric for this long "
                        f"(default: {DEFAULT_STALL_WARNING_S:g}; none: never)")
+    stalls = parser.add_argument_group("stalls", "A run with no optimizer step, DataLoader batch, finished collective "
+                                       "or progress-bar update for the stall timeout has stalled: every rank's "
+                                       "stacks and last collectives are gathered without stopping it, and the "
+                                       "culprit is named (`fanrun stacks RUN` shows the report).")
+    stalls.add_argument("--stall-timeout", default=None, metavar="SECONDS",
+                        help="the stall timeout (default: the larger of 60 s and 10 step times once steps are seen, "
+                        "300 s before)")
+    stalls.add_argument("--on-stall", default="report", metavar="WHAT",
+                        help="report: say why, and go on; abort: stop the run with the report; off: watch for no "
+                        "stall (default: report)")
     detached = parser.add_argument_group("detached runs")
     detached.add_argument("--detach", action="store_true",
                           help="run in a process of its own, which goes on when this command ends; print the run's "
@@ -75,6 +86,18 @@ def display(options: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             pass  # the check names the text as it was given
     return check_display(shown, stall, FLAGS)
+
+
+def stall(options: argparse.Namespace) -> dict[str, Any]:
+    """Options' stall_timeout and on_stall, checked as the decorator's are."""
+    timeout: Any = options.stall_timeout
+    if timeout is not None:
+        try:
+            timeout = float(timeout)
+        except ValueError:
+            pass  # the check names the text as it was given
+    on_stall = None if options.on_stall == "off" else options.on_stall
+    return check_stall(timeout, on_stall, STALL_FLAGS)
 
 
 def tracking(options: argparse.Namespace) -> dict[str, Any]:

@@ -131,6 +131,11 @@ class OutputMux:
         """A stall's report (_launch/stall_report.py): a panel shows its verdict (watched());
         elsewhere it is said once, on stderr, whatever the display."""
         if self.panel is not None:
+            # At once: "abort", or a function that raises, ends the call before the next watched().
+            steps = [row.step for row in self.panel.panel.rows]
+            flags = [[*row.watch_flags, *(["stalled"] if rank in report.culprits else [])]
+                     for rank, row in enumerate(self.panel.panel.rows)]
+            self.panel.watched(steps, flags, report.sentence)
             return
         flush_streams()
         print(f"fanrun: run {report.run_id} stalled: {report.sentence} (no progress for {report.quiet_s:.0f} s). "

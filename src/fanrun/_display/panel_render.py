@@ -91,7 +91,7 @@ def text_rows(panel: Panel, now: float, colour: bool = False, width: int | None 
         line = f"rank {rank}  {row.where}{gpu}  {row.state:<8} {status}" + (f"  | {last}" if last else "")
         rows.append(red + line + reset if row.state == "failed" else line)
         rows.extend(f"{red}    {failure}{reset}" for failure in row.failure)
-    if panel.stall and not panel.ended:
+    if panel.stall:  # until progress resumes: at the end too, where the stall ended the call
         stall = f"stalled: {panel.stall}"
         rows.extend(yellow + line + reset for line in (textwrap.wrap(stall, width) if width else [stall]))
     for line in panel.run_hint.splitlines():
@@ -112,7 +112,7 @@ def html_panel(panel: Panel, now: float) -> str:
     plot = (f'<img class="fanrun-plot" alt="the metrics the ranks logged, by step" '
             f'src="data:image/png;base64,{panel.plot_png}">' if panel.plot_png else "")
     stall = (f'<div class="fanrun-stall" style="color:#e65100;margin-top:4px">&#9888; stalled: '
-             f'{html.escape(panel.stall)}</div>' if panel.stall and not panel.ended else "")
+             f'{html.escape(panel.stall)}</div>' if panel.stall else "")
     return (f'<div class="fanrun-panel" style="font-family:var(--jp-code-font-family,monospace);font-size:12px">'
             f'{title}<table style="border-collapse:collapse"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
             f'{plot}{stall}{hint}{_html_logs(panel)}</div>')

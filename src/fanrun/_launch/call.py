@@ -83,7 +83,7 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
         with tracking.attempt(spec, submission, gpu_indices) as tracked:
             # One run directory, for the launcher and for tracking, which uploads its logs.
             with RunPaths.create(spec.name, run_id=record.id) as paths:
-                tracked.paths = paths
+                tracked.use_directory(paths)
                 record.attempt(paths.directory)
                 restarts = {contract.ENV_RESTART_COUNT: str(attempt),
                             contract.ENV_MAX_RESTARTS: str(spec.options.max_restarts)}

@@ -15,6 +15,7 @@ from .._rank.contract import ENVELOPE_KEYS, ENVELOPE_KINDS, STACK_DUMP_SIGNAL
 from ..backends.base import STACK_DUMP_WAIT_S
 from .._display.output import OutputMux
 from .._spec.paths import RunPaths
+from . import failure_peers
 
 
 def collect(name, ranks, paths, mux, timeout_report: TimeoutReport, timeout, returns_values: bool) -> list[object]:
@@ -34,6 +35,9 @@ def collect(name, ranks, paths, mux, timeout_report: TimeoutReport, timeout, ret
         )
     if reason == _core.StopReason.RANK_FAILED:
         error = _root_cause(ranks.first_failed_rank, ranks, paths, mux)
+        peers = failure_peers.note(ranks.first_failed_rank, world_size, paths.directory)
+        if peers is not None:
+            error.add_note(peers)
         raise error from error.__cause__
     if not returns_values:
         return [None] * world_size

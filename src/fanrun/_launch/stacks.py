@@ -18,6 +18,7 @@ from .._rank.contract import STACK_DUMP_SIGNAL
 from . import records, running_calls
 from .file_changes import FileChanges
 from .outcome import STACK_HEADER
+from .stall_report import REPORT_TEXT
 from .._spec.paths import rank_log
 
 # How long the ranks get to write their stacks, and how long a dump may pause between lines
@@ -66,6 +67,16 @@ def of_run(run_id: str) -> Stacks:
     if ranks["host"] != socket.gethostname():
         raise StacksError(f"run {run_id} runs on {ranks['host']}: run `fanrun stacks {run_id}` there")
     return Stacks(run_id, _dump(directory, [tuple(rank) for rank in ranks["ranks"]]))
+
+
+def stall_report(run_id: str) -> str | None:
+    """The run's last stall report as text (stall_outcome.py keeps it in the record), during the
+    run and after; None where it has none, or the run is unknown."""
+    try:
+        data = records.RunRecord.find(run_id).read_bytes(REPORT_TEXT)
+    except (FanrunError, OSError):
+        return None
+    return None if data is None else data.decode("utf-8", "replace")
 
 
 def _attempt_directory(run_id: str) -> tuple[Path, int]:

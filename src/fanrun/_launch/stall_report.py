@@ -1,59 +1,16 @@
-"""What a stall report holds: each rank's progress record as read, the evidence gathered from it
-without stopping it, and the verdict (verdict.py) in one sentence."""
+"""What a stall report holds: each rank's progress record as read (_spec/progress_record.py), the
+evidence gathered from it without stopping it, and the verdict (verdict.py) in one sentence."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import struct
-from pathlib import Path
 
 from .._rank import contract
+from .._spec.progress_record import RankProgress
 
-_FORMAT = struct.Struct(contract.PROGRESS_FORMAT)
-STATES = {contract.STATE_COMPUTE: "compute", contract.STATE_DATA: "data", contract.STATE_COLLECTIVE: "collective"}
 # The report's files, in the attempt's run directory and in the run's record.
-REPORT_JSON = "stall-report.json"
-REPORT_TEXT = "stall-report.txt"
-
-
-@dataclasses.dataclass(frozen=True)
-class RankProgress:
-    """One read of a rank's progress record (_rank/progress.py): times are time.time()'s."""
-
-    rank: int
-    state: str  # "compute", "data" (in a DataLoader's __next__) or "collective" (in `op`, the `collectives`-th)
-    pid: int
-    steps: int  # optimizer steps
-    batches: int  # DataLoader batches fetched
-    collectives: int  # collectives entered through torch.distributed's Python functions
-    state_since: float
-    progress_at: float  # the last step, batch or collective's end; 0 before any
-    step_at: float  # the last step's end; 0 before any
-    step_s: float  # the last step's length, from the step before it; 0 before two steps
-    step_data_s: float  # of it, waiting for data
-    step_comm_s: float  # of it, in collectives
-    data_s: float  # summed over the call
-    comm_s: float
-    op: str  # the current or last collective
-
-    @classmethod
-    def read(cls, path: Path, rank: int) -> RankProgress | None:
-        """The record in `path`; None where there is none yet, or it is not one."""
-        try:
-            with open(path, "rb") as file:
-                data = file.read(_FORMAT.size)
-        except OSError:
-            return None
-        if len(data) != _FORMAT.size:
-            return None
-        values = dict(zip(contract.PROGRESS_FIELDS, _FORMAT.unpack(data)))
-        if values.pop("magic") != contract.PROGRESS_MAGIC:
-            return None
-        values.pop("reserved")
-        values["state"] = STATES.get(values["state"], "compute")
-        values["op"] = values["op"].rstrip(b"\0").decode("ascii", "replace")
-        return cls(rank=rank, **values)
+REPORT_JSON, REPORT_TEXT = contract.STALL_REPORT_JSON, contract.STALL_REPORT_TEXT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,6 +86,12 @@ STATE_DATA = 1  # in a DataLoader's __next__
 STATE_COLLECTIVE = 2  # in a collective of torch.distributed (op, the `collectives`-th)
 
 
+# A stall's report (_launch/stall_outcome.py), as JSON and as text: the last one of the attempt,
+# written by the caller; tracking uploads them with the logs.
+STALL_REPORT_JSON = "stall-report.json"
+STALL_REPORT_TEXT = "stall-report.txt"
+
+
 def log_name(rank: int) -> str:
     """Everything the rank wrote to stdout and stderr, byte for byte; written by the engine."""
     return f"rank_{rank}.log"

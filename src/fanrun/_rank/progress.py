@@ -82,12 +82,21 @@ def install(run_dir: str, rank: int) -> None:
     global _record
     if _record is not None:
         _record.close()
+    else:
+        # A process forked from the rank (a DataLoader's worker) shares the mapping: its writes
+        # would be the rank's.
+        os.register_at_fork(after_in_child=_forget_record)
     _record = _Record(os.path.join(run_dir, _contract["progress_name"](rank)))
     _Forensics.start(run_dir, rank)
     if "torch" in sys.modules:
         _patch_torch()
     elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport("torch", _patch_torch))
+
+
+def _forget_record() -> None:
+    global _record
+    _record = None
 
 
 class _AfterImport:
@@ -198,14 +207,17 @@ def _timed_collective(name: str, collective):
         record.write()
         record.depth += 1
         try:
-            return collective(*args, **kwargs)
+            result = collective(*args, **kwargs)
         finally:
             record.depth -= 1
-            now = time.time()
-            values[_FIELD["comm_s"]] += now - started
-            values[_FIELD["state"]], values[_FIELD["state_since"]] = _COMPUTE, now
-            values[_FIELD["progress_at"]] = now
-            record.write()
+        # Not reached when it raised: the record still names the collective that failed, for the
+        # report of the call's failure (_launch/failure_peers.py).
+        now = time.time()
+        values[_FIELD["comm_s"]] += now - started
+        values[_FIELD["state"]], values[_FIELD["state_since"]] = _COMPUTE, now
+        values[_FIELD["progress_at"]] = now
+        record.write()
+        return result
 
     return timed_collective
 
@@ -273,5 +285,5 @@ def _flight_recorder() -> list[dict] | None:
     except Exception:
         return None
     return [{"seq": entry.get("collective_seq_id"), "op": entry.get("profiling_name"), "state": entry.get("state"),
-             "created_ns": entry.get("time_created_ns"), "group": (entry.get("process_group") or [None])[-1]}
+             "created_ns": entry.get("time_created_ns"), "group": (entry.get("process_group") or [None])[0]}
             for entry in entries[-EVIDENCE_COLLECTIVES:]]

@@ -96,8 +96,13 @@ class _Agent:
             return
         for fd in fds:  # none expected with any other message
             os.close(fd)
-        if kind == "finish" and body["id"] in self.calls:
-            self.calls[body["id"]].end(body)
+        run = self.calls.get(body["id"])
+        if run is None:
+            return
+        if kind == "directory":
+            run.directory(body)
+        elif kind == "finish":
+            run.end(body)
 
     def reply(self, message: dict) -> None:
         """From any call's thread; the caller may be gone, and then nobody needs the answer."""

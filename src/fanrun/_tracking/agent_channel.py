@@ -6,6 +6,7 @@ every thread of the caller at once:
 
   caller -> agent  {"call": {"id", what the run needs, "env": changes, "cwd"}}   + the call's metric socket
                    (an attempt's names its submission's id as "parent_call": its run is nested there)
+                   {"directory": {"id", "run_dir", "world_size"}}  once the attempt's directory is made
                    {"finish": {"id", "status", "tags", "run_dir", "world_size"}}  once the ranks have ended
   agent -> caller  {"opened": {"id", the run}} | {"off": {"id", "problem"}} | {"not_found": {"id", "message"}}
                    {"closed": {"id", "warnings": [...]}}                          the call's run is done with

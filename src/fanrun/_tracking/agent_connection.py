@@ -106,6 +106,17 @@ class AgentConnection:
             self._env = current
         return call_id
 
+    def call_directory(self, call_id: int, run_dir: str, world_size: int) -> None:
+        """Tells the agent the attempt's directory, where its samples read the ranks' progress."""
+        with self._state:
+            if call_id not in self._calls:
+                return  # the agent is gone
+        try:
+            with self._send_lock:
+                send(self._control, {"directory": {"id": call_id, "run_dir": run_dir, "world_size": world_size}})
+        except OSError:
+            pass  # the agent is gone: the reader says so for this call
+
     def finish_call(self, call_id: int, outcome: dict) -> None:
         """Hands the agent the call's outcome; wait_call_closed() waits for the run's close."""
         with self._state:

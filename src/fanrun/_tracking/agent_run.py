@@ -1,7 +1,8 @@
 """One call's MLflow run, inside the tracking agent (agent.py): made (or resumed) while
 the call's ranks start, told to the ranks through the call's metric socket, fed with what they
-log (metric_relay.py) and the machine's system metrics, and closed with the outcome the caller
-sends, in a thread of its own so that the agent serves other calls meanwhile."""
+log (metric_relay.py), the machine's system metrics and the ranks' step times (rank_steps.py),
+and closed with the outcome the caller sends, in a thread of its own so that the agent serves
+other calls meanwhile."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from typing import Any
 from . import store as tracking_store
 from .agent_channel import FINISH_DEADLINE_S, START_DEADLINE_S, describe
 from ..backends.metric_relay import MetricRelay
+from .rank_steps import RankSteps
 from .rank_values import write_other_ranks
+from .._rank.contract import STALL_REPORT_JSON, STALL_REPORT_TEXT
 from .._spec.paths import rank_log
 from .links import TrackedRun, masked
 from .system_metrics import SystemMetricsSampler, sampling_interval
@@ -48,6 +51,7 @@ class CallRun:
         self.opened = threading.Event()  # set once open() has made the run, or given up
         self.relay = MetricRelay(self.write_metrics, listener)
         self.sampler: SystemMetricsSampler | None = None
+        self.rank_steps = RankSteps()
         self.warnings: list[str] = []
         self._outcome: dict | None = None
         self._ended = threading.Event()
@@ -55,6 +59,11 @@ class CallRun:
 
     def start(self) -> None:
         self.thread.start()
+
+    def directory(self, body: dict) -> None:
+        """The attempt's directory, made after the run was asked for: each sample from now on
+        reads the ranks' progress records there."""
+        self.rank_steps.follow(Path(body["run_dir"]), body["world_size"])
 
     def end(self, outcome: dict) -> None:
         """The call's outcome; the first one stands (the caller's, else CALLER_ENDED)."""
@@ -105,7 +114,8 @@ class CallRun:
         self.relay.publish({"run_id": run.run_id, "env": _rank_variables(run)})
         if call["role"] != "submission":  # the machine is sampled on each attempt's run
             self.sampler = SystemMetricsSampler(
-                _metrics_logger(run), call["gpu_indices"], sampling_interval(), first_step=run.first_system_step
+                _metrics_logger(run), call["gpu_indices"], sampling_interval(), first_step=run.first_system_step,
+                more=self.rank_steps.read,
             )
             self.sampler.start()
         self.reply({"opened": {
@@ -304,11 +314,14 @@ def _close_run(
 
 
 def _upload_logs(run: TrackedRun, run_dir: Path, world_size: int) -> None:
-    """Every rank's full log as logs/rank_N.txt, linked (or copied) into a private folder of that layout."""
+    """Every rank's full log as logs/rank_N.txt, and the call's stall report where it stalled
+    (_launch/stall_outcome.py), linked (or copied) into a private folder of that layout."""
     staging = Path(tempfile.mkdtemp(prefix="fanrun-logs-"))  # 0700
     try:
-        for rank in range(world_size):
-            source, target = rank_log(run_dir, rank), staging / f"rank_{rank}.txt"
+        files = [(rank_log(run_dir, rank), f"rank_{rank}.txt") for rank in range(world_size)]
+        files += [(run_dir / name, name) for name in (STALL_REPORT_JSON, STALL_REPORT_TEXT)]
+        for source, name in files:
+            target = staging / name
             if not source.exists():
                 continue
             try:

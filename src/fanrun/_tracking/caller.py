@@ -72,11 +72,19 @@ def start_agent_early(options: Any) -> None:
 
 @dataclasses.dataclass
 class TrackedCall:
-    """What the ranks need from tracking, and the run's directory, which the decorator makes
+    """What the ranks need from tracking, and the run's directory, which the call path makes
     once tracking has let the call go on (a run_id= that names no run stops it first)."""
 
     rank_env: dict[str, str]
     paths: RunPaths | None = None
+    _run: _CallRun | None = dataclasses.field(default=None, repr=False)
+
+    def use_directory(self, paths: RunPaths) -> None:
+        """The attempt's directory, once made: the ranks' logs are uploaded from it at the end,
+        and while the call runs the agent reads the ranks' step times there (rank_steps.py)."""
+        self.paths = paths
+        if self._run is not None:
+            self._run.directory_made(paths)
 
 
 @contextlib.contextmanager
@@ -149,7 +157,7 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
               f"runs on every rank; what it logs with mlflow is dropped.")
         yield untracked
         return
-    call = TrackedCall(run.rank_environment())
+    call = TrackedCall(run.rank_environment(), _run=run)
     try:
         if options.run_id is not None:
             run.wait_opened()  # a run_id that names no run raises here, before any rank starts
@@ -169,6 +177,7 @@ class _CallRun:
     def __init__(self, function_name: str, plan: Plan, options: Any, gpu_indices: list[int], *,
                  role: str = "call", submission: Submission | None = None) -> None:
         self.function_name = function_name
+        self.world_size = plan.world_size
         # An attempt's run is nested under its submission's, which alone is shown to the user;
         # what goes wrong with tracking is said by each attempt, which alone can drop metrics.
         self._announces = submission is None
@@ -238,6 +247,9 @@ class _CallRun:
         if "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT" not in os.environ:
             env["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         return env
+
+    def directory_made(self, paths: RunPaths) -> None:
+        self._agent.call_directory(self._id, str(paths.directory), self.world_size)
 
     def wait_opened(self) -> None:
         """Before any rank starts: the run to resume exists, or the call stops here."""

@@ -1,5 +1,6 @@
-"""System metrics of a run, sampled in a thread of the caller: per-GPU utilisation and memory
-from NVML (through the engine), CPU and host memory from /proc; named as MLflow's own."""
+"""System metrics of a run, sampled in a thread of the tracking agent: per-GPU utilisation and
+memory from NVML (through the engine), CPU and host memory from /proc; named as MLflow's own.
+Each sample also holds the ranks' step times (rank_steps.py)."""
 
 from __future__ import annotations
 
@@ -105,12 +106,16 @@ class SystemMetricsSampler:
 
     `log(metrics, step)` sends one sample; the first exception it raises ends the sampling
     (a tracking server that fails once is not asked again every interval) and is kept in `error`.
+    `more()`, where given, adds its metrics to each sample under their own names (the ranks' step
+    times, rank_steps.py): one interval, one step and one batch for every figure of the run.
     """
 
-    def __init__(self, log: Log, gpu_indices: Sequence[int], interval: float, first_step: int = 0) -> None:
+    def __init__(self, log: Log, gpu_indices: Sequence[int], interval: float, first_step: int = 0,
+                 more: Callable[[], dict[str, float]] | None = None) -> None:
         self._log = log
         self._host = HostReader()
         self._gpus = GpuReader.open(gpu_indices)
+        self._more = more
         self._interval = interval
         self._step = first_step
         self._stop = threading.Event()
@@ -142,7 +147,10 @@ class SystemMetricsSampler:
                 metrics = self._host.read()
                 if self._gpus is not None:
                     metrics.update(self._gpus.read())
-                self._log({PREFIX + key: value for key, value in metrics.items()}, self._step)
+                named = {PREFIX + key: value for key, value in metrics.items()}
+                if self._more is not None:
+                    named.update(self._more())
+                self._log(named, self._step)
                 self._step += 1
             except Exception as error:
                 self.error = error

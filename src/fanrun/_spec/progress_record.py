@@ -1,0 +1,53 @@
+"""A rank's progress record (_rank/progress.py writes it, in the contract's PROGRESS_FORMAT) as the
+caller's side reads it: the stall watch (_launch/stall_watch.py) and tracking's step times
+(_tracking/rank_steps.py) read it through this one reader."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+from .._rank import contract
+
+_FORMAT = struct.Struct(contract.PROGRESS_FORMAT)
+STATES = {contract.STATE_COMPUTE: "compute", contract.STATE_DATA: "data", contract.STATE_COLLECTIVE: "collective"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankProgress:
+    """One read of a rank's progress record: times are time.time()'s."""
+
+    rank: int
+    state: str  # "compute", "data" (in a DataLoader's __next__) or "collective" (in `op`, the `collectives`-th)
+    pid: int
+    steps: int  # optimizer steps
+    batches: int  # DataLoader batches fetched
+    collectives: int  # collectives entered through torch.distributed's Python functions
+    state_since: float
+    progress_at: float  # the last step, batch or collective's end; 0 before any
+    step_at: float  # the last step's end; 0 before any
+    step_s: float  # the last step's length, from the step before it; 0 before two steps
+    step_data_s: float  # of it, waiting for data
+    step_comm_s: float  # of it, in collectives
+    data_s: float  # summed over the call
+    comm_s: float
+    op: str  # the current or last collective
+
+    @classmethod
+    def read(cls, path: Path, rank: int) -> RankProgress | None:
+        """The record in `path`; None where there is none yet, or it is not one."""
+        try:
+            with open(path, "rb") as file:
+                data = file.read(_FORMAT.size)
+        except OSError:
+            return None
+        if len(data) != _FORMAT.size:
+            return None
+        values = dict(zip(contract.PROGRESS_FIELDS, _FORMAT.unpack(data)))
+        if values.pop("magic") != contract.PROGRESS_MAGIC:
+            return None
+        values.pop("reserved")
+        values["state"] = STATES.get(values["state"], "compute")
+        values["op"] = values["op"].rstrip(b"\0").decode("ascii", "replace")
+        return cls(rank=rank, **values)
