@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,13 +24,13 @@ from fanrun._launch.straggler import StragglerWatch
 from fanrun._rank import contract
 from processes import alive, processes_of_runs_under
 
-# Above most of the ranks' start-up on the loaded 2-core machine: importing torch and joining the
-# process group (then a barrier, the first progress), and torch._dynamo's import at the first
-# optimizer, each took 2 to 8 s there. A quiet start-up that outlasts it is reported too: Reports
-# lets the call go on after such a report.
-STALL_TIMEOUT_S = 8.0
-# "abort" stops the call at its first report, a start-up's too: a timeout start-up never reaches.
-ABORT_STALL_TIMEOUT_S = 15.0
+# Short, so that each test ends in seconds. The ranks' start-up can outlast it on the loaded 2-core
+# machine: importing torch and joining the process group (then a barrier, the first progress),
+# and torch._dynamo's import at the first optimizer, each took 2 to 8 s there. Such a start-up is
+# reported too, and Reports lets the call go on after it.
+STALL_TIMEOUT_S = 6.0
+# "abort" stops the call at its first report, a start-up's too: a timeout above the start-up.
+ABORT_STALL_TIMEOUT_S = 12.0
 # After the stall timeout, the report takes the evidence's gathering (forensics.WAIT_S at most, all
 # of it for a rank that cannot answer) and the watch's next read: this is a loaded machine's bound.
 REPORTED_WITHIN_S = STALL_TIMEOUT_S + 10.0
@@ -275,7 +277,14 @@ def test_a_detached_run_keeps_its_report_in_its_record_and_goes_on(tmp_path):
     assert STALL_TIMEOUT_S - 1.0 <= kept["at"] - stalled_at <= REPORTED_WITHIN_S
     assert [rank["progress"]["pid"] for rank in kept["ranks"]] == pids
     assert f"fanrun: run {run.id} stalled: {kept['verdict']['sentence']} (no progress for " in run.logs()
-    assert record.read_bytes(REPORT_TEXT).decode().startswith(f"run {run.id}: stall: {kept['verdict']['sentence']}")
+    text = record.read_bytes(REPORT_TEXT).decode()
+    assert text.startswith(f"run {run.id}: stall: {kept['verdict']['sentence']}\n")
+    # `fanrun stacks ID` prints the last report after the run's end too.
+    shown = subprocess.run([sys.executable, "-m", "fanrun", "stacks", run.id], capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"run {run.id}: stall: {kept['verdict']['sentence']}\n"), shown.stdout[:2000]
+    assert "--- rank 1 ---" in shown.stdout and "in __getitem__" in shown.stdout
 
 
 def slow_steps(marks: str, steps: int, step_s: float) -> int:
@@ -285,8 +294,9 @@ def slow_steps(marks: str, steps: int, step_s: float) -> int:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if rank == 0:
-        Path(marks, "run_dir").write_text(os.environ[contract.ENV_RUN_DIR])
+    if rank == 0:  # whole or not at all, for the test's reader
+        Path(marks, "run_dir.tmp").write_text(os.environ[contract.ENV_RUN_DIR])
+        os.replace(Path(marks, "run_dir.tmp"), Path(marks, "run_dir"))
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(steps):
