@@ -551,11 +551,14 @@ def test_everything_written_is_private_whatever_the_umask(runs_dir, monkeypatch)
     assert [mode(p) for p in (base / "made", base / "made" / "by", root)] == [0o700] * 3
     # ranks.json (fanrun stacks' record of the ranks) is written once they started: there or not yet.
     assert modes.pop("ranks.json", 0o600) == 0o600
-    assert modes == {"payload.pkl": 0o600, "rank_0.log": 0o600, _paths.RUN_MARKER: 0o600}
+    # The rank's progress record, its stacks file and its FIFO (_rank/progress.py): the stall watch's.
+    forensics = {"rank_0.progress": 0o600, "rank_0.stacks": 0o600, "rank_0.ask": 0o600}
+    assert modes == {"payload.pkl": 0o600, "rank_0.log": 0o600, _paths.RUN_MARKER: 0o600, **forensics}
     runs = sorted(path for path in root.iterdir() if path.name != "records")
     assert [mode(run) for run in runs] == [0o700, 0o700]
     failed = runs[-1]
-    assert {p.name: mode(p) for p in failed.iterdir()} == {"rank_0.log": 0o600, "rank_0.error": 0o600, _paths.RUN_MARKER: 0o600}
+    assert {p.name: mode(p) for p in failed.iterdir()} == {"rank_0.log": 0o600, "rank_0.error": 0o600,
+                                                           _paths.RUN_MARKER: 0o600, **forensics}
     # The runs' records (_launch/records.py): the folder, each run's, and their files.
     kept = sorted((root / "records").iterdir())
     assert mode(root / "records") == 0o700 and [mode(record) for record in kept] == [0o700, 0o700]
