@@ -176,7 +176,9 @@ def test_results_files_are_private_and_removed(runs_dir):
 
     run_dir, dir_mode, payload_mode = where.distributed()[0]
     assert (dir_mode, payload_mode) == (0o700, 0o600)
-    assert sorted(os.listdir(run_dir)) == [_paths.RUN_MARKER, "rank_0.log"]
+    # Left: the marker, the log, and the stall watch's progress record, stacks file and FIFO.
+    assert sorted(os.listdir(run_dir)) == [_paths.RUN_MARKER, "rank_0.ask", "rank_0.log", "rank_0.progress",
+                                           "rank_0.stacks"]
 
 
 def test_version_is_exposed():
