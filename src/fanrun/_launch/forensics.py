@@ -19,7 +19,7 @@ from .._spec.paths import RunPaths, rank_log
 from .file_changes import FileChanges
 from .outcome import STACK_HEADER
 from .running_calls import start_time
-from .stacks import send_signal
+from .stacks import file_size, read_from, send_signal
 from .stall_report import RankEvidence, RankProgress
 from .verdict import parse_stack
 
@@ -35,7 +35,7 @@ def gather(paths: RunPaths, ranks, ended: Collection[int], progress: Sequence[Ra
     running = [rank for rank in range(ranks.world_size) if rank not in ended]
     stacks = {rank: directory / contract.forensics_stacks_name(rank) for rank in running}
     answers = {rank: directory / contract.forensics_answer_name(rank) for rank in running}
-    offsets = {rank: _size(path) for rank, path in stacks.items()}
+    offsets = {rank: file_size(path) for rank, path in stacks.items()}
     asked_at = time.time()
     with FileChanges([], [str(directory)]) as changes:
         asked = [rank for rank in running if _ask(directory / contract.forensics_ask_name(rank))]
@@ -50,7 +50,7 @@ def gather(paths: RunPaths, ranks, ended: Collection[int], progress: Sequence[Ra
         last_growth = time.monotonic()
         while True:
             for rank in signalled:
-                more = _read_from(stacks[rank], offsets[rank] + len(texts[rank].encode()))
+                more = read_from(stacks[rank], offsets[rank] + len(texts[rank].encode()))
                 if more:
                     texts[rank] += more.decode("utf-8", "replace")
                     last_growth = time.monotonic()
@@ -121,19 +121,3 @@ def _last_lines(path: Path, count: int = LAST_LINES) -> list[str]:
     lines = [line for line in tail.decode("utf-8", "replace").split("\n") if line.strip()]
     return [line[:300] for line in lines[-count:]]
 
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _read_from(path: Path, offset: int) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return b""
-    with os.fdopen(fd, "rb") as file:
-        file.seek(offset)
-        return file.read()

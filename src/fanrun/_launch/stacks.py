@@ -142,7 +142,7 @@ def _is_int(value: object) -> bool:
 
 def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str]:
     logs = {rank: rank_log(directory, rank) for rank in range(len(ranks))}
-    offsets = {rank: _size(path) for rank, path in logs.items()}
+    offsets = {rank: file_size(path) for rank, path in logs.items()}
     out: dict[int, str] = {}
     signalled = []
     with FileChanges([str(path) for path in logs.values() if path.exists()]) as changes:
@@ -158,7 +158,7 @@ def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str
         last_growth = time.monotonic()
         while True:
             for rank in signalled:
-                more = _read_from(logs[rank], offsets[rank] + read[rank])
+                more = read_from(logs[rank], offsets[rank] + read[rank])
                 if more:
                     read[rank] += len(more)
                     texts[rank] += more.decode("utf-8", "replace")
@@ -192,14 +192,16 @@ def send_signal(pid: int, started: int | None, signo: int = STACK_DUMP_SIGNAL) -
     return None
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """The file's size; 0 where it does not exist yet."""
     try:
         return path.stat().st_size
     except FileNotFoundError:
         return 0
 
 
-def _read_from(path: Path, offset: int) -> bytes:
+def read_from(path: Path, offset: int) -> bytes:
+    """What the file holds past `offset`, never through a link."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link in place of a log is not read
     except FileNotFoundError:
