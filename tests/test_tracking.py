@@ -282,6 +282,42 @@ def test_when_a_call_returns_or_raises_its_run_is_complete_in_the_store(any_stor
 
 
 @distributed(num_accelerators=2)
+def outlives_rank_1(rank_1_alive: str) -> tuple[str, int | None, str]:
+    """Rank 1 holds the FIFO `rank_1_alive` open and returns with only the call's run active, which
+    MLflow's exit handler would end; rank 0 reads the FIFO to its end, which comes when rank 1's
+    process is gone (after every exit handler of its), then reads the call's run from the store,
+    and returns with a nested run of its own left open."""
+    import os
+
+    import mlflow
+
+    if os.environ["RANK"] == "1":
+        os.open(rank_1_alive, os.O_WRONLY)  # closed by rank 1's exit, and by nothing before it
+        return "", None, ""
+    with open(rank_1_alive, "rb") as fifo:
+        fifo.read()
+    run = mlflow.MlflowClient().get_run(mlflow.active_run().info.run_id)
+    own = mlflow.start_run(nested=True, run_name="left-open-by-rank-0")
+    return run.info.status, run.info.end_time, own.info.run_id
+
+
+def test_a_rank_that_exits_leaves_the_calls_run_open_and_ends_its_own(sqlite_store, tmp_path):
+    """The call's run belongs to the agent, which closes it with the call's outcome: a rank's exit
+    never ends it (nor rewrites it while the agent writes to it, which a file store does not survive).
+    A run the function started in a rank and left open is ended at the rank's exit, as MLflow does."""
+    client, experiment_id = sqlite_store
+    rank_1_alive = tmp_path / "rank-1-alive"
+    os.mkfifo(rank_1_alive)
+    (status, end_time, own_run_id), _ = outlives_rank_1.distributed(str(rank_1_alive))
+    assert (status, end_time) == ("RUNNING", None)
+    own = client.get_run(own_run_id)
+    assert own.info.status == "FINISHED" and own.info.end_time is not None
+    call_run = client.get_run(own.data.tags["mlflow.parentRunId"])
+    assert call_run.info.run_name.startswith("outlives_rank_1-")
+    assert call_run.info.status == "FINISHED"
+
+
+@distributed(num_accelerators=2)
 def log_every_way():
     """Each way a function logs metrics: they travel through the caller, and must all arrive."""
     import os

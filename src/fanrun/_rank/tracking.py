@@ -164,6 +164,7 @@ def _activate(mlflow, run_id: str, channel: socket.socket, send_params: bool = T
     # mlflow.active_run() would be None until then. The run is resumed, not created: the
     # agent made it and sets its final status once every rank has ended.
     try:
+        _leave_status_to_the_agent(run_id)
         if mlflow.active_run() is None:
             mlflow.start_run(run_id=run_id)
             # As MLflow does when it resumes a run from this variable: left set, it would make
@@ -183,6 +184,33 @@ def _activate(mlflow, run_id: str, channel: socket.socket, send_params: bool = T
     except Exception as error:
         # The store itself still takes them: slower, nothing lost.
         _say(f"logs its metrics straight to the tracking store ({type(error).__name__}: {error})")
+
+
+def _leave_status_to_the_agent(call_run_id: str) -> None:
+    """Makes the store of this process leave the call's run's status and end time as they are:
+    the agent closes the run with the call's outcome, once every rank has ended. Without this, a
+    rank would write them at every start_run that resumes the run (RUNNING), at mlflow.end_run,
+    and at its exit, where MLflow's own exit handler ends the active run (FINISHED, even for a
+    rank that failed). Each such write rewrites a file store's meta.yaml in place, truncated
+    first: the agent's writes, which read it, fail while it is rewritten, and a rank stopped
+    (SIGTERM) in the middle leaves it empty, so the run can no longer be written nor read.
+    A run the function starts itself is ended as MLflow ends it; renaming the call's run still
+    renames it."""
+    from mlflow.entities import RunStatus
+    from mlflow.tracking._tracking_service.utils import _get_store
+
+    store = _get_store()
+    store_update_run_info = store.update_run_info
+
+    def update_run_info(run_id, run_status, end_time, run_name):
+        if run_id != call_run_id:
+            return store_update_run_info(run_id, run_status, end_time, run_name)
+        info = store.get_run(run_id).info
+        if not run_name:
+            return info
+        return store_update_run_info(run_id, RunStatus.from_string(info.status), info.end_time, run_name)
+
+    store.update_run_info = update_run_info
 
 
 # What flush_metrics() sends: the senders and the panel's feeds this process made, one per call its
