@@ -194,3 +194,45 @@ def test_doctor_json_holds_every_check(node, recorded_nvml):
     (gpu,) = json.loads(done.stdout)["gpus"]
     assert gpu["nvml_index"] == 0 and gpu["uuid"] == uuid(0) and gpu["reading"]["ecc_uncorrected_volatile"] == 3
     assert gpu["problems"] and "uncorrectable ECC" in gpu["problems"][0]
+
+
+def test_fanrun_run_excludes_the_unhealthy_gpu_and_refuses_a_bad_level(node, recorded_nvml, tmp_path):
+    answers = node(gpu_answers(0), gpu_answers(1, throttle_reasons="0x40"), gpu_answers(2))
+    script = tmp_path / "where.py"
+    script.write_text("import os\nprint('ran', os.environ['RANK'], os.environ['WORLD_SIZE'], "
+                      "os.environ['CUDA_VISIBLE_DEVICES'])\n")
+    env = {**os.environ, "FANRUN_NVML_LIBRARY": str(recorded_nvml), "FANRUN_RECORDED_NVML": str(answers)}
+    fanrun_cli = [sys.executable, "-m", "fanrun._cli.main", "run"]
+    done = subprocess.run([*fanrun_cli, "-n", "3", "--exclude-unhealthy", str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ran = sorted(line.split("ran ", 1)[1] for line in done.stdout.splitlines() if "ran " in line)
+    assert ran == [f"0 2 {uuid(0)},{uuid(2)}", f"1 2 {uuid(0)},{uuid(2)}"]
+    assert "HW thermal slowdown" in done.stderr
+    stopped = subprocess.run([*fanrun_cli, "-n", "3", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 1 and "GpuHealthError: GPU 1" in stopped.stderr and "ran " not in stopped.stdout
+    refused = subprocess.run([*fanrun_cli, "--health", "thorough", str(script)], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode != 0 and "--health must be 'cheap'" in refused.stderr
+
+
+# MLflow's SQL store, on this SQLAlchemy, warns of its own use of a deprecated loader.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_each_gpus_verdict_goes_into_the_calls_mlflow_run(node, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("FANRUN_TRACKING", raising=False)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    node(gpu_answers(0, ecc_uncorrected="1"), gpu_answers(1))
+    experiment = f"health-{os.getpid()}-{tmp_path.name}"
+    call = fanrun.distributed(num_accelerators=2, exclude_unhealthy=True, experiment_name=experiment)(where_it_ran)
+    call.distributed(str(tmp_path))
+    fanrun.flush_tracking()
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])  # fanrun's own store, where the call made its run
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    params = run.data.params
+    assert params["fanrun.health"] == "cheap" and params["fanrun.world_size"] == "1"
+    assert params["fanrun.health.gpu_0"].startswith("1 uncorrectable ECC error")
+    assert params["fanrun.health.gpu_1"] == "healthy"

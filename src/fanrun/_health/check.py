@@ -84,7 +84,7 @@ class Gate:
                              for gpu in unhealthy)
         print(f"fanrun: {len(unhealthy)} of the call's {len(self.gpus)} GPUs left out as unhealthy ({left_out}); "
               f"it runs on GPU{'s' if len(healthy) != 1 else ''} {', '.join(str(g.nvml_index) for g in healthy)} "
-              f"as ranks 0-{len(healthy) - 1}", file=sys.stderr, flush=True)
+              f"as {'rank 0' if len(healthy) == 1 else f'ranks 0-{len(healthy) - 1}'}", file=sys.stderr, flush=True)
         spec, inventory = self.spec, self.spec.inventory
         plan = dataclasses.replace(spec.plan, world_size=len(healthy), description=inventory.describe(healthy),
                                    accelerator_type=f"GPU_{len(healthy)}x{healthy[0].model}")
