@@ -15,6 +15,7 @@ import pytest
 
 import fanrun
 from fanrun import _accelerators
+from gpus import needs_gpus
 from fanrun._health import reader
 
 SEAM = Path(__file__).resolve().parents[1] / "cpp" / "src" / "accelerators" / "recorded_nvml.c"
@@ -236,3 +237,35 @@ def test_each_gpus_verdict_goes_into_the_calls_mlflow_run(node, tmp_path, monkey
     assert params["fanrun.health"] == "cheap" and params["fanrun.world_size"] == "1"
     assert params["fanrun.health.gpu_0"].startswith("1 uncorrectable ECC error")
     assert params["fanrun.health.gpu_1"] == "healthy"
+
+
+# ---------------------------------------------------------------- on the GPU machine, real NVML
+
+
+@needs_gpus(1)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_cheap_and_deep_checks_pass_on_real_gpus_and_their_figures_are_recorded(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("FANRUN_TRACKING", raising=False)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    experiment = f"health-gpu-{os.getpid()}"
+    results = fanrun.distributed(health="deep", experiment_name=experiment)(where_it_ran).distributed(str(tmp_path))
+    fanrun.flush_tracking()
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    for index in range(len(results)):
+        assert run.data.params[f"fanrun.health.gpu_{index}"] == "healthy"
+        assert run.data.metrics[f"fanrun.health.gpu_{index}.bf16_tflops"] > 0
+        assert run.data.metrics[f"fanrun.health.gpu_{index}.copy_tbps"] > 0
+
+
+@needs_gpus(1)
+def test_doctor_deep_on_real_gpus_finds_them_healthy():
+    done = subprocess.run([sys.executable, "-m", "fanrun._cli.main", "doctor", "--deep", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    gpus = json.loads(done.stdout)["gpus"]
+    assert gpus and all(gpu["figures"]["bf16_tflops"] > 0 and not gpu["problems"] for gpu in gpus), done.stdout
