@@ -128,6 +128,26 @@ def test_exclude_unhealthy_runs_on_the_healthy_gpus_re_ranked(node, tmp_path, ca
     assert len(said) == 1 and f"GPU 0 ({uuid(0)}): 1 uncorrectable ECC error" in said[0] and "GPUs 1, 2" in said[0]
 
 
+def gpus_and_pid() -> tuple:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid()
+
+
+def test_a_rank_kept_alive_on_one_gpu_is_not_taken_for_a_call_left_on_another(node):
+    answers = node(gpu_answers(0, ecc_uncorrected="1"), gpu_answers(1))
+    call = fanrun.distributed(num_accelerators=2, keep_alive=True, exclude_unhealthy=True, tracking=False)(gpus_and_pid)
+    try:
+        [(first_gpus, first_pid)] = call.distributed()
+        answers.write_text(gpu_answers(0) + gpu_answers(1, ecc_uncorrected="1"))
+        reader.forget()  # the stand-in reads its answers as NVML starts
+        [(second_gpus, second_pid)] = call.distributed()
+    finally:
+        fanrun.cooldown()
+    assert (first_gpus, second_gpus) == (uuid(1), uuid(0))
+    assert second_pid != first_pid
+
+
 def test_exclude_unhealthy_with_no_healthy_gpu_is_an_error(node, tmp_path):
     node(gpu_answers(0, throttle_reasons="0x20"))
     call = fanrun.distributed(num_accelerators=1, tracking=False, exclude_unhealthy=True)(where_it_ran)
@@ -269,3 +289,11 @@ def test_doctor_deep_on_real_gpus_finds_them_healthy():
     assert done.returncode == 0, done.stdout + done.stderr
     gpus = json.loads(done.stdout)["gpus"]
     assert gpus and all(gpu["figures"]["bf16_tflops"] > 0 and not gpu["problems"] for gpu in gpus), done.stdout
+
+
+def test_doctor_on_a_machine_without_gpu_says_there_is_nothing_to_check(tmp_path):
+    no_nvml = tmp_path / "libfanrun-no-such-nvml.so"
+    done = doctor(tmp_path / "none.txt", no_nvml)
+    assert done.returncode == 0 and "there is no GPU to check here" in done.stderr, done.stderr
+    deep = doctor(tmp_path / "none.txt", no_nvml, "--deep")
+    assert deep.returncode == 2 and "the deep checks run CUDA work on GPUs" in deep.stderr, deep.stderr

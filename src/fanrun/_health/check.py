@@ -83,10 +83,15 @@ class Gate:
         left_out = "; ".join(f"GPU {gpu.nvml_index} ({gpu.uuid}): {self.problems[gpu.nvml_index][0]}"
                              for gpu in unhealthy)
         print(f"fanrun: {len(unhealthy)} of the call's {len(self.gpus)} GPUs left out as unhealthy ({left_out}); "
-              f"it runs on GPU{'s' if len(healthy) != 1 else ''} {', '.join(str(g.nvml_index) for g in healthy)} "
+              f"it runs on GPU{'s' if len(healthy) != 1 else ''} {', '.join(str(gpu.nvml_index) for gpu in healthy)} "
               f"as {'rank 0' if len(healthy) == 1 else f'ranks 0-{len(healthy) - 1}'}", file=sys.stderr, flush=True)
         spec, inventory = self.spec, self.spec.inventory
-        plan = dataclasses.replace(spec.plan, world_size=len(healthy), description=inventory.describe(healthy),
+        # The description names the GPUs: ranks kept alive for a call on other GPUs (keep_alive, whose
+        # kept ranks must match the plan's description) are not taken for this one.
+        indices = ", ".join(str(gpu.nvml_index) for gpu in healthy)
+        plan = dataclasses.replace(spec.plan, world_size=len(healthy),
+                                   description=f"{inventory.describe(healthy)} (GPU{'s' if len(healthy) != 1 else ''} "
+                                               f"{indices})",
                                    accelerator_type=f"GPU_{len(healthy)}x{healthy[0].model}")
         # The ranks see the healthy GPUs alone, in rank order: LOCAL_RANK N is the Nth of them.
         env = {**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(gpu.uuid for gpu in healthy)}
