@@ -110,6 +110,12 @@ def test_healthy_recorded_gpus_run_the_call_on_every_one(node, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("rank_*")) == ["rank_0", "rank_1"]
 
 
+def test_answers_a_gpu_does_not_support_are_not_judged(node, tmp_path):
+    # An older GPU or driver: no ECC, no memory repair, no throttle reasons, no PCIe figures.
+    node(gpu_answers(0, ecc_uncorrected="", retired_pages_pending="", remapped_rows="", throttle_reasons="", pcie=""))
+    assert fanrun.distributed(num_accelerators=1, tracking=False)(where_it_ran).distributed(str(tmp_path))
+
+
 def test_the_callers_own_process_on_its_gpu_is_not_another_job(node, tmp_path):
     # A notebook that initialised CUDA holds memory on the GPU its call then uses.
     node(gpu_answers(0, process=f"{os.getpid()} {GIB}"))

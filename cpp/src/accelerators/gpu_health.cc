@@ -92,7 +92,9 @@ Result<std::unique_ptr<GpuHealthReader>> GpuHealthReader::Open(const std::string
   Bind(nvml.handle, "nvmlDeviceGetTotalEccErrors", nvml.total_ecc_errors);
   Bind(nvml.handle, "nvmlDeviceGetRetiredPagesPendingStatus", nvml.retired_pages_pending);
   Bind(nvml.handle, "nvmlDeviceGetRemappedRows", nvml.remapped_rows);
-  Bind(nvml.handle, "nvmlDeviceGetCurrentClocksThrottleReasons", nvml.throttle_reasons);
+  // The same entry point under its newer name (drivers since R535) first, then its older one.
+  Bind(nvml.handle, "nvmlDeviceGetCurrentClocksEventReasons", nvml.throttle_reasons) ||
+      Bind(nvml.handle, "nvmlDeviceGetCurrentClocksThrottleReasons", nvml.throttle_reasons);
   Bind(nvml.handle, "nvmlDeviceGetCurrPcieLinkGeneration", nvml.pcie_generation);
   Bind(nvml.handle, "nvmlDeviceGetMaxPcieLinkGeneration", nvml.pcie_generation_max);
   Bind(nvml.handle, "nvmlDeviceGetCurrPcieLinkWidth", nvml.pcie_width);

@@ -25,7 +25,8 @@ def problems(reading: dict | None, uuid: str, own_pids: Collection[int]) -> list
     """What is wrong with one GPU; empty when nothing is. `reading`: the engine's (None where the
     driver no longer reports the GPU); `uuid`: the GPU's when the call was planned; `own_pids`:
     processes of this caller's (itself, its kept ranks) that may hold memory on it."""
-    if reading is None:
+    # No reading, or one without even a UUID: the driver lists the GPU but no longer answers for it.
+    if reading is None or not reading["uuid"]:
         return ["the driver no longer reports it (fallen off the bus?): check `nvidia-smi` and the kernel log for "
                 "Xid errors (Xid 79: GPU has fallen off the bus), then reset the GPU or reboot the node"]
     if reading["uuid"] and reading["uuid"] != uuid:
