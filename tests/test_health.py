@@ -80,6 +80,7 @@ FAULTS = {
     "narrow link": ({"pcie": "5 5 8 16"}, "PCIe link runs at x8 of x16"),
     "slow link at work": ({"pcie": "3 5 16 16", "utilization": "90"}, "generation 3 of 5 while the GPU is busy"),
     "foreign process": ({"process": f"4242 {3 * GIB}"}, r"process 4242 holds 3.0 GiB on it"),
+    "unseen memory": ({"memory": f"{141 * GIB} {20 * GIB}"}, r"20.0 GiB of its memory is in use by no process this one"),
 }
 
 
@@ -118,7 +119,7 @@ def test_answers_a_gpu_does_not_support_are_not_judged(node, tmp_path):
 
 def test_the_callers_own_process_on_its_gpu_is_not_another_job(node, tmp_path):
     # A notebook that initialised CUDA holds memory on the GPU its call then uses.
-    node(gpu_answers(0, process=f"{os.getpid()} {GIB}"))
+    node(gpu_answers(0, memory=f"{141 * GIB} {40 * GIB}", process=f"{os.getpid()} {39 * GIB}"))
     assert fanrun.distributed(num_accelerators=1, tracking=False)(where_it_ran).distributed(str(tmp_path))
 
 

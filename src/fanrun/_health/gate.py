@@ -15,10 +15,12 @@ THROTTLE_TROUBLE = {
 }
 # A GPU busier than this is at work: its PCIe link should run at its highest generation.
 IDLE_BELOW_PERCENT = 10
-# Where NVML cannot list the processes on a GPU (some containers), memory used beyond this share
-# of the GPU's (and beyond the driver's own reserve) means someone else holds it.
+# Memory in use that no process NVML lists accounts for, beyond this share of the GPU's and
+# beyond what the driver keeps for itself, is held by someone this process cannot see.
 FOREIGN_MEMORY_SHARE = 0.05
-DRIVER_RESERVE_BYTES = 1 << 30
+DRIVER_RESERVE_BYTES = 2 << 30
+# NVML's "not available" (an unsigned -1) where the driver cannot tell a process's share.
+_NOT_AVAILABLE = 1 << 63
 
 
 def problems(reading: dict | None, uuid: str, own_pids: Collection[int]) -> list[str]:
@@ -65,25 +67,25 @@ def problems(reading: dict | None, uuid: str, own_pids: Collection[int]) -> list
 
 
 def _foreign_memory(reading: dict, own_pids: set[int]) -> list[str]:
-    processes = reading["compute_processes"]
-    if processes is None:
-        used, total = reading["memory_used"], reading["memory_total"]
-        if used is not None and total and used > max(DRIVER_RESERVE_BYTES, FOREIGN_MEMORY_SHARE * total):
-            return [f"{_gib(used)} of its memory is in use and NVML cannot say by whom: another job may be using it; "
-                    f"check `nvidia-smi`"]
-        return []
+    listed = reading["compute_processes"] or []
     found = []
-    for process in processes:
+    for process in listed:
         if process["pid"] in own_pids:
             continue
         found.append(f"process {process['pid']}{_command(process['pid'])} holds {_gib(process['used_memory'])} on it: "
                      f"another job is using this GPU; wait for it to end or stop it (nvidia-smi shows it)")
+    # NVML lists only the processes of this PID namespace (another container's are not), and none
+    # where it cannot: memory in use that no listed process accounts for is someone else's.
+    accounted = sum(process["used_memory"] for process in listed if process["used_memory"] < _NOT_AVAILABLE)
+    used, total = reading["memory_used"], reading["memory_total"]
+    if used is not None and total and used - accounted > max(DRIVER_RESERVE_BYTES, FOREIGN_MEMORY_SHARE * total):
+        found.append(f"{_gib(used - accounted)} of its memory is in use by no process this one can see (another "
+                     f"container's, or one that ended without its memory freed): check `nvidia-smi` on the host")
     return found
 
 
 def _gib(count: int) -> str:
-    # NVML's "not available" (an unsigned -1) where the driver cannot tell a process's share.
-    if count >= (1 << 63):
+    if count >= _NOT_AVAILABLE:
         return "memory"
     return f"{count / (1 << 30):.1f} GiB"
 
