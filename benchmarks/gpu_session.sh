@@ -3,7 +3,7 @@
 # parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
 # given as wheels in .whl/.
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
-#   [checkpoint-tests] [checkpoint] [results] [stall]
+#   [checkpoint-tests] [checkpoint] [results] [stall] [health]
 # On eight GPUs:
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
 # DRY_RUN=1 prints each step's command instead of running it, and installs nothing (the tests
@@ -55,6 +55,10 @@ for part in $parts; do
       for test in ddp_quickstart fsdp deepspeed_zero from_torchdistributor kernel_interrupt; do
         pytest_step "notebook_$test" 200 tests/test_notebooks.py -k "$test and kernel"
       done ;;
+    # The health gate on the real NVML: its cost (benchmarks/health.py), and its tests on GPUs (fanrun doctor --deep too).
+    health)
+      step health 120 python3 benchmarks/health.py --deep
+      pytest_step health_tests 200 tests/test_health.py -k "real_gpus" -rs ;;
     throughput) step throughput 300 python3 benchmarks/throughput.py --steps 100 --repeat 3 --kinds ${KINDS:-ddp fsdp} ;;
     # The launcher alone (fanrun) and with MLflow tracking, its default (tracked), side by side.
     launch) step launch 420 python3 benchmarks/launch.py --ranks ${RANKS:-1 2} --repeat ${REPEAT:-3} ${LAUNCH_ARGS:-} ;;

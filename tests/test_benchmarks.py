@@ -29,6 +29,8 @@ SMOKE_RUNS = {
                      "webdataset (http, cold)", "Goals"]),
     "gpu_checks.py": ([], ["== DDP demo", "== warm calls: cold call", "== kept calls: first call", "== rank 1 raises mid-training: RuntimeError",
                            "is SIGKILLed mid-training: RankFailedError", "hangs, rank 0 waits in gloo (timeout=10 s): TimeoutError"]),
+    "health.py": ([], ["| check | first call | per call (median) | goal | met |", "| cheap |", "ms (20 calls)",
+                       "| deep | could not run:", "sees no CUDA GPU", "Goal: cheap gate at most 50 ms per call"]),
     "launch.py": ([], ["Launch wall time", "tracked/fanrun", "fanrun/mp.spawn", "fanrun/torchrun", "fanrun/notebook_launcher",
                        "warm/notebook_launcher", "warm launch wall time at most 2x notebook_launcher's on CPUs",
                        "Failure latency", "Goals", "launch wall time with tracking (the default) within 5% or 0.2 s of without",
@@ -108,7 +110,7 @@ def test_panel_benchmark_smoke_run_with_its_caller_in_a_notebook(tmp_path):
 
 def gpu_session_steps() -> list[tuple[str, list[str]]]:
     parts = ["checks", "examples", "gpu-tests", "notebooks", "throughput", "launch", "tracking",
-             "checkpoint-tests", "checkpoint", "results", "stall"]
+             "checkpoint-tests", "checkpoint", "results", "stall", "health"]
     done = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), *parts], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -100,6 +100,8 @@ NEVER = {
     "_display": ("fanrun._launch", "fanrun._tracking", "fanrun.backends", "fanrun._detached", "fanrun._cli",
                  "fanrun.data", *FACE),
     "_tracking": ("fanrun._launch", "fanrun._display", "fanrun._detached", "fanrun._cli", "fanrun.data", *FACE),
+    "_health": ("fanrun._launch", "fanrun._tracking", "fanrun._display", "fanrun._detached", "fanrun._cli",
+                "fanrun.data", *FACE),
     "_launch": ("fanrun._detached", "fanrun._cli", "fanrun.data", *FACE),
     "_detached": ("fanrun._cli", *FACE),
 }

@@ -9,6 +9,7 @@ namespace fanrun::bindings {
 void BindRunContract(nb::module_& m);
 void BindSupervisor(nb::module_& m);
 void BindAccelerators(nb::module_& m);
+void BindGpuHealth(nb::module_& m);
 void BindCheckpoint(nb::module_& m);
 void BindCache(nb::module_& m);
 void BindPrivateDir(nb::module_& m);
@@ -20,6 +21,7 @@ NB_MODULE(_core, m) {
   fanrun::bindings::BindRunContract(m);  // first: the supervisor's signatures name its enums
   fanrun::bindings::BindSupervisor(m);
   fanrun::bindings::BindAccelerators(m);
+  fanrun::bindings::BindGpuHealth(m);
   fanrun::bindings::BindCheckpoint(m);
   fanrun::bindings::BindCache(m);
   fanrun::bindings::BindPrivateDir(m);

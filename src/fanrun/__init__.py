@@ -15,6 +15,7 @@ from ._errors import EngineInvalidArgument as EngineInvalidArgument
 from ._errors import EngineOSError as EngineOSError
 from ._errors import ExecutableNotFoundError as ExecutableNotFoundError
 from ._errors import FanrunError as FanrunError
+from ._errors import GpuHealthError as GpuHealthError
 from ._errors import NodeEnvironmentError as NodeEnvironmentError
 from ._errors import NodeLostError as NodeLostError
 from ._errors import PayloadSerializationError as PayloadSerializationError
@@ -91,6 +92,7 @@ __all__ = [
     "ExecutableNotFoundError",
     "FanrunError",
     "GPUType",
+    "GpuHealthError",
     "NodeEnvironmentError",
     "NodeLostError",
     "PayloadSerializationError",

@@ -9,7 +9,7 @@ import os
 import re
 import warnings
 
-from ._errors import AcceleratorMismatchError
+from ._errors import AcceleratorMismatchError, GpuHealthError
 
 # CPU processes a run starts where there is no GPU and num_accelerators is not given:
 # enough to exercise real distributed code, few enough for a laptop.
@@ -258,6 +258,14 @@ def _check_type_matches(request: AcceleratorRequest, inventory: Inventory) -> No
     models = {gpu.model for gpu in machine}
     # 'A10' matches an A10G, not an A100: the model may only grow by letters.
     fits = all(re.fullmatch(re.escape(request.model or "") + r"[A-Z]*", model) for model in models)
+    if fits and request.count is not None and len(machine) < request.count:
+        # The model is right and a GPU is missing: one fallen off the bus, or failed at boot.
+        raise GpuHealthError(
+            f"accelerator_type {request.text!r} asks for {request.count} GPUs, and the driver shows "
+            f"{len(machine)} ({inventory.describe(machine)}, NVML indices "
+            f"{', '.join(str(gpu.nvml_index) for gpu in machine)}): a GPU is missing, fallen off the bus or failed "
+            f"at boot. Check `nvidia-smi` and the kernel log for Xid errors (Xid 79: fallen off the bus), reset or "
+            f"reboot the node; or ask for 'GPU_{len(machine)}x{sorted(models)[0]}' to run on the GPUs it has")
     if not fits or (request.count is not None and request.count != len(machine)):
         raise AcceleratorMismatchError(
             f"accelerator_type {request.text!r} does not match this machine, which has "

@@ -15,6 +15,7 @@ from ._caller_frames import raised_from_the_caller
 from ._launch import call
 from ._spec import payload as _payload
 from ._spec.display import check_display
+from ._spec.health import DEFAULT_HEALTH, check_health
 from ._spec.program import RankProgram
 from ._spec.spec import DEFAULT_STALL_WARNING_S, DEFAULT_TIMEOUT_S, Options
 from ._spec.stall import check_stall
@@ -84,6 +85,8 @@ def distributed(
     stall_warning: float | None = DEFAULT_STALL_WARNING_S,
     stall_timeout: float | None = None,
     on_stall: Any = "report",
+    health: str | None = DEFAULT_HEALTH,
+    exclude_unhealthy: bool = False,
 ):
     """Decorates a function so that `fn.distributed(*args, **kwargs)` runs it on every
     accelerator of this machine (CPU processes where there is none).
@@ -135,6 +138,15 @@ def distributed(
     default) shows and keeps that report and lets the call go on; ``"abort"`` stops the call with
     ``fanrun.RankStalledError``; a function is called with the report (a ``StallReport``), and
     stops the call by raising; ``None`` watches for no stall.
+
+    Before any rank of a GPU call starts, once the call holds its GPUs, ``health`` checks them
+    (docs/health.md): ``"cheap"`` (the default, a few milliseconds) reads NVML's answers for
+    uncorrectable ECC errors, memory pages or rows awaiting retirement, clocks throttled by heat
+    or power, a narrow PCIe link and other processes holding memory; ``"deep"`` adds a few
+    seconds of bf16 matrix products, a memory copy and an all-reduce on each GPU, judged against
+    the model's figures; ``"off"`` (or None) checks nothing. An unhealthy GPU stops the call with
+    ``fanrun.GpuHealthError``, naming it and why; ``exclude_unhealthy=True`` runs the call on the
+    healthy GPUs instead, re-ranked, with fewer ranks.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, numbers.Number):
         return distributed()(num_accelerators)  # bare @distributed
@@ -175,6 +187,7 @@ def distributed(
         max_restarts=_check_restarts(max_restarts),
         **check_display(display, stall_warning),
         **check_stall(stall_timeout, on_stall),
+        **check_health(health, exclude_unhealthy),
     )
     if keep_alive and (options.backend == "ray" or (options.nodes or 1) > 1):
         raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; ranks on a Ray "

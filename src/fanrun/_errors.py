@@ -23,6 +23,15 @@ class AcceleratorMismatchError(ValueError, FanrunError):
     """The accelerators asked for are not the ones this machine has."""
 
 
+class GpuHealthError(AcceleratorMismatchError):
+    """A GPU the call would use is unhealthy, or missing: found before any rank starts. `problems`
+    holds one (nvml_index, uuid, reason) per unhealthy GPU (none for a missing one)."""
+
+    def __init__(self, message: str, problems: tuple[tuple[int, str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
 class PayloadSerializationError(TypeError, FanrunError):
     """The function, an argument or a captured object cannot be pickled to send to the ranks."""
 

@@ -53,7 +53,7 @@ def main(options: argparse.Namespace) -> int:
                         timeout=options.timeout if options.timeout and options.timeout > 0 else None,
                         max_restarts=torchrun_flags.max_restarts(options), detach=options.detach,
                         **run_flags.display(options), **run_flags.stall(options),
-                        **run_flags.tracking(options))
+                        **run_flags.tracking(options), **run_flags.health(options))
         if not options.no_python and not options.module and not os.path.isfile(options.target):
             raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
                                     f"use -m for a module, or --no-python for a program")

@@ -1,7 +1,8 @@
 """`fanrun run`'s flags for what the decorator's arguments ask of a function's call: how the output
-shows (--display, --stall-warning), a run that goes on by itself (--detach, --watch), and an MLflow
-run for the ranks (--tracking, --experiment-name, --run-name). Each combination that cannot be
-honoured is refused here, before anything starts, with what to do instead."""
+shows (--display, --stall-warning), a run that goes on by itself (--detach, --watch), an MLflow
+run for the ranks (--tracking, --experiment-name, --run-name), and the GPUs' health check (--health,
+--exclude-unhealthy). Each combination that cannot be honoured is refused here, before anything
+starts, with what to do instead."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from .._display.output import default_display
 from .._spec.display import FLAGS, check_display
+from .._spec.health import FLAGS as HEALTH_FLAGS, check_health
 from .._spec.spec import DEFAULT_STALL_WARNING_S
 from .._spec.stall import FLAGS as STALL_FLAGS, check_stall
 from .._tracking.caller import enabled as tracking_enabled
@@ -35,6 +37,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     stalls.add_argument("--on-stall", default="report", metavar="WHAT",
                         help="report: say why, and go on; abort: stop the run with the report; off: watch for no "
                         "stall (default: report)")
+    health = parser.add_argument_group("GPU health", "Before any rank of a GPU run starts, its GPUs are checked "
+                                       "(docs/health.md; `fanrun doctor` checks the node alone).")
+    health.add_argument("--health", default="cheap", metavar="HOW",
+                        help="cheap: NVML's answers (ECC, memory repair, throttling, PCIe link, other processes); "
+                        "deep: and a few seconds of work on every GPU; off: no check (default: cheap)")
+    health.add_argument("--exclude-unhealthy", action="store_true",
+                        help="run on the healthy GPUs, re-ranked, instead of stopping at an unhealthy one")
     detached = parser.add_argument_group("detached runs")
     detached.add_argument("--detach", action="store_true",
                           help="run in a process of its own, which goes on when this command ends; print the run's "
@@ -98,6 +107,11 @@ def stall(options: argparse.Namespace) -> dict[str, Any]:
             pass  # the check names the text as it was given
     on_stall = None if options.on_stall == "off" else options.on_stall
     return check_stall(timeout, on_stall, STALL_FLAGS)
+
+
+def health(options: argparse.Namespace) -> dict[str, Any]:
+    """Options' health and exclude_unhealthy, checked as the decorator's are."""
+    return check_health(options.health, options.exclude_unhealthy, HEALTH_FLAGS)
 
 
 def tracking(options: argparse.Namespace) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping
 
 from .. import _accelerators
+from .._health import check as health
 from .._rank import contract
 from .._spec.paths import RunPaths
 from .._spec.program import RankProgram
@@ -78,9 +79,12 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
     # The GPUs are this call's alone while it runs: a call that holds them already goes first.
     gpus = spec.gpus()
     with gpu_locks.hold(gpus, holder=repr(spec.name), on_busy=_say):
+        # Before any rank starts: an unhealthy GPU stops the call, or is left out (exclude_unhealthy).
+        gate = _health_gate(spec)
+        spec = gate.checked_spec()
         # The MLflow run starts once the GPUs are free, and ends with the call's outcome.
-        gpu_indices = [gpu.nvml_index for gpu in gpus]
-        with tracking.attempt(spec, submission, gpu_indices) as tracked:
+        gpu_indices = [gpu.nvml_index for gpu in spec.gpus()]
+        with tracking.attempt(spec, submission, gpu_indices, gate.record()) as tracked:
             # One run directory, for the launcher and for tracking, which uploads its logs.
             with RunPaths.create(spec.name, run_id=record.id) as paths:
                 tracked.use_directory(paths)
@@ -91,6 +95,24 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
                                        warm=warm, keep=kept, open_gpu_sample=tracking.gpu_sampler(gpu_indices),
                                        announce=attempt == 0, attempt=attempt,
                                        on_stall_report=stall_outcome.handler(spec.options.on_stall, paths, record))
+
+
+def check_health(spec: CallSpec) -> health.Gate:
+    """The health gate alone, on the GPUs of `spec`, with their locks held (`fanrun doctor`)."""
+    with gpu_locks.hold(spec.gpus(), holder=repr(spec.name), on_busy=_say):
+        return _health_gate(spec)
+
+
+def _health_gate(spec: CallSpec) -> health.Gate:
+    gate = health.Gate(spec)
+    # health="deep": a short call of work on each GPU, on the GPUs whose locks this call holds.
+    gate.run_deep(_run_on_held_gpus)
+    return gate
+
+
+def _run_on_held_gpus(spec: CallSpec) -> list:
+    with RunPaths.create(spec.name) as paths:
+        return attempt_run.run(spec, paths, extra_env=dict(spec.env), announce=False)
 
 
 def _say(text: str) -> None:

@@ -59,6 +59,10 @@ class Options:
     # (_launch/stall_watch.py): "report", "abort", a callable given the report, or None (not watched).
     stall_timeout: float | None = None
     on_stall: Any = "report"
+    # The GPUs' health, checked once their locks are held and before any rank starts (_health/):
+    # "cheap", "deep" or "off"; exclude_unhealthy: run on the healthy ones, re-ranked, instead of failing.
+    health: str = "cheap"
+    exclude_unhealthy: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

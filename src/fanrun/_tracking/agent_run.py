@@ -245,6 +245,11 @@ def _open_run(uri: str, call: dict, store: tracking_store.LocalStore | None) -> 
     new = [Param(key, value) for key, value in call["params"].items() if key not in existing]
     if new:
         client.log_batch(run.info.run_id, params=new)
+    if call.get("metrics"):  # the GPU health gate's deep figures
+        from mlflow.entities import Metric
+
+        client.log_batch(run.info.run_id, metrics=[Metric(key, float(value), call["started_ms"], 0)
+                                                   for key, value in call["metrics"].items()])
     experiment = client.get_experiment(run.info.experiment_id)
     return TrackedRun(
         client=client,

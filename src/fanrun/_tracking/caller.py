@@ -124,7 +124,8 @@ class Submission:
 
 @contextlib.contextmanager
 def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: Any,
-          submission: Submission | None = None) -> Iterator[TrackedCall]:
+          submission: Submission | None = None,
+          health: tuple[dict[str, str], dict[str, float]] = ({}, {})) -> Iterator[TrackedCall]:
     """Starts the call's MLflow run (or not), yields what the ranks need, and hands the agent the
     call's outcome: FINISHED, KILLED (interrupt, timeout) or FAILED (anything else). Under a
     `submission`, the run is its next attempt's, nested under the submission's run."""
@@ -150,6 +151,7 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
         return
     show_warnings()  # what the agent had to say about earlier calls' runs
     run = _CallRun(function_name, plan, options, gpu_indices, submission=submission)
+    run.add_health(*health)
     try:
         run.start()
     except OSError as error:  # UnsafePathError included
@@ -218,6 +220,11 @@ class _CallRun:
             "store_dir": None,
         }
         self._in_fanrun_store = _in_fanrun_store(mlflow, active)
+
+    def add_health(self, params: dict[str, str], metrics: dict[str, float]) -> None:
+        """The GPU health gate's verdicts (parameters) and deep figures (metrics, at step 0)."""
+        self._call["params"].update(params)
+        self._call["metrics"] = dict(metrics)
 
     def start(self) -> None:
         if self._in_fanrun_store:

@@ -19,12 +19,13 @@ def call(spec: CallSpec) -> Iterator[caller.Submission | None]:
 
 
 @contextlib.contextmanager
-def attempt(spec: CallSpec, submission: caller.Submission | None, gpu_indices: list[int]) -> Iterator[caller.TrackedCall]:
+def attempt(spec: CallSpec, submission: caller.Submission | None, gpu_indices: list[int],
+            health: tuple[dict[str, str], dict[str, float]] = ({}, {})) -> Iterator[caller.TrackedCall]:
     """One attempt's MLflow run: what its ranks need (rank_env), and the attempt's directory once
     it is made (.use_directory(paths)), where the ranks' step times are read while they run and
-    from which their logs are uploaded."""
+    from which their logs are uploaded. `health`: the GPU health gate's parameters and metrics."""
     with caller.track(function_name=spec.name, plan=spec.plan, gpu_indices=gpu_indices, options=spec.options,
-                      submission=submission) as tracked:
+                      submission=submission, health=health) as tracked:
         yield tracked
 
 
