@@ -51,6 +51,7 @@ class StallWatch:
         started = time.time()
         self._seen_at = [started] * self._world_size  # the last progress seen of each rank
         self._ended: set[int] = set()
+        self.failure_seen_at: float | None = None  # when the first rank that failed was seen to end
         self._reported_at: float | None = None  # the stall reported, until progress resumes
         self._read_at = -1.0
         self.progress: list[RankProgress | None] = [None] * self._world_size
@@ -62,8 +63,15 @@ class StallWatch:
         """A progress bar of `rank` was redrawn."""
         self._seen_at[rank] = time.time()
 
-    def ended(self, rank: int) -> None:
+    def ended(self, rank: int, failed: bool = False) -> None:
         self._ended.add(rank)
+        if failed and self.failure_seen_at is None:
+            self.failure_seen_at = time.time()
+
+    def last_read(self) -> list[RankProgress | None]:
+        """Every rank's record as the attempt ends: what the goodput ledger (goodput.py) takes."""
+        self._read()
+        return list(self.progress)
 
     def seconds_to_check(self) -> float:
         """How long the pump may wait before this watch is due."""
