@@ -15,6 +15,7 @@ from processes import wait_gone
 import fanrun
 from fanrun import distributed
 from fanrun._launch import goodput, records
+from fanrun._spec.progress_record import RankProgress
 
 # MLflow's sqlite store uses SQLAlchemy options that SQLAlchemy 2.1 deprecates: not fanrun's to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")
@@ -109,14 +110,14 @@ def test_the_parts_add_up_to_the_wall_time_with_the_data_waits_and_the_checkpoin
     assert STEPS * SLEEP_S <= ledger.parts["data"] < STEPS * SLEEP_S + 0.25, ledger
     assert ledger.parts["checkpoint"] == pytest.approx(save_s, rel=0.2, abs=0.02), (ledger, save_s)
     assert ledger.parts["steps"] > 0 and ledger.parts["start"] > 0 and ledger.steps_lost == 0
-    assert ledger.attempts == 1 and ledger.observed
+    assert ledger.attempts == 1 and ledger.observed and ledger.steps == STEPS
     _, err = capfd.readouterr()
     assert f"fanrun: {ledger.line()}\n" in err and ledger.line().startswith("goodput ")
     # Without restarts, the call's one run holds the ledger, as it was when the run closed.
     (run,) = client.search_runs([experiment_id])
     logged = metrics_of(client, run)
     assert set(logged) == {f"fanrun/goodput/{part}_s" for part in goodput.PARTS} | {
-        f"fanrun/goodput/{name}" for name in ("fraction", "wall_s", "steps_lost", "attempts")}
+        f"fanrun/goodput/{name}" for name in ("fraction", "wall_s", "steps", "steps_lost", "attempts")}
     assert logged["fanrun/goodput/data_s"] == pytest.approx(ledger.parts["data"], abs=1e-6)
     assert logged["fanrun/goodput/wall_s"] <= ledger.wall_s
 
@@ -130,7 +131,7 @@ def test_a_rank_killed_after_a_checkpoint_costs_restart_downtime_and_the_steps_s
     wall_s = time.time() - started
     ledger = ledger_of(run_id)
     assert ledger.wall_s == pytest.approx(wall_s, rel=0.01)
-    assert ledger.steps_lost == die_at - checkpoint_at and ledger.attempts == 2
+    assert ledger.steps_lost == die_at - checkpoint_at and ledger.attempts == 2 and ledger.steps == die_at + STEPS
     assert ledger.parts["restart"] > 0 and ledger.parts["steps"] > 0
     # Both attempts waited for all of their batches.
     assert (die_at + STEPS) * SLEEP_S <= ledger.parts["data"] < (die_at + STEPS) * SLEEP_S + 0.5, ledger
@@ -166,3 +167,32 @@ def test_a_detached_run_keeps_its_ledger_over_its_attempts_in_its_record(store, 
     assert metrics_of(client, runs[name])["fanrun/goodput/steps_lost"] == 2
     assert all(runs[f"{name}-attempt-{n}"].data.tags["mlflow.parentRunId"] == runs[name].info.run_id for n in (1, 2))
     assert wait_gone([records.RunRecord.find(run.id).read_runner()["pid"]], timeout=10) == []
+
+
+def marks(**values) -> RankProgress:
+    """A rank's last progress record, as a rank that reached these marks writes it."""
+    fields = dict(rank=0, state="compute", pid=1000, steps=0, batches=0, collectives=0, state_since=0.0,
+                  progress_at=0.0, step_at=0.0, step_s=0.0, step_data_s=0.0, step_comm_s=0.0, data_s=0.0, comm_s=0.0,
+                  op="")
+    return RankProgress(**{**fields, **values})
+
+
+def test_a_hang_that_a_timeout_ends_is_detection_and_the_next_attempt_is_restart_downtime():
+    ledger = goodput.Ledger(started_at=100.0)
+    ledger.attempt_started(100.5)
+    ledger.locks_held(101.0)
+    # No rank failed of itself: the attempt's last progress was at 115, and the call knew at 125.
+    ledger.ranks_ended([marks(began_at=103.0, ready_at=105.0, ready_data_s=0.5, data_s=1.5, checkpoint_s=1.0,
+                              steps=10, checkpoint_step=4, progress_at=115.0)], failure_seen_at=None)
+    ledger.attempt_failed(at=125.0)
+    ledger.attempt_started(126.0)
+    ledger.locks_held(126.1)
+    ledger.ranks_ended([marks(began_at=127.0, ready_at=128.0, ended_at=138.0, steps=5)])
+    ledger.attempt_ended(139.0)
+    result = ledger.close(at=140.0)
+    assert result.parts == pytest.approx({"lock": 0.5, "start": 2.0, "setup": 1.5, "steps": 8.0 + 10.0, "data": 1.5,
+                                          "checkpoint": 1.0, "detect": 10.0, "restart": 3.0, "other": 0.5 + 2.0})
+    assert (result.wall_s, result.steps, result.steps_lost, result.attempts) == (40.0, 15, 6, 2)
+    assert result.line() == ("goodput 45.0 % of 40.0 s: GPU wait 0.5 s, start 2.0 s, set-up 1.5 s, data 1.5 s, "
+                             "checkpoint 1.0 s, detect 10.0 s, restart 3.0 s, other 2.5 s, 6 steps lost")
+    assert goodput.Goodput.from_json(result.to_json()) == result

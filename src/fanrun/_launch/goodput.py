@@ -37,6 +37,7 @@ class Goodput:
 
     wall_s: float
     parts: dict[str, float]
+    steps: int  # the optimizer steps done, over the attempts (the most of any rank in each)
     steps_lost: int
     attempts: int
     observed: bool  # the ranks kept progress records (a watched call on this machine); else no steps are known
@@ -58,7 +59,7 @@ class Goodput:
         """As the call's MLflow run holds them."""
         metrics = {f"fanrun/goodput/{part}_s": seconds for part, seconds in self.parts.items()}
         metrics.update({"fanrun/goodput/fraction": self.fraction, "fanrun/goodput/wall_s": self.wall_s,
-                        "fanrun/goodput/steps_lost": float(self.steps_lost),
+                        "fanrun/goodput/steps": float(self.steps), "fanrun/goodput/steps_lost": float(self.steps_lost),
                         "fanrun/goodput/attempts": float(self.attempts)})
         return metrics
 
@@ -139,7 +140,7 @@ class Ledger:
             parts["data"] += data
             parts["checkpoint"] += checkpoint
 
-        steps_lost = 0
+        steps = steps_lost = 0
         after_failure = False
         for attempt in self._attempts:
             ranks = attempt.records
@@ -179,9 +180,10 @@ class Ledger:
                     steps_lost += attempt.steps_lost
                 else:
                     steps_lost += max((r.steps - r.checkpoint_step for r in ranks), default=0)
+            steps += max((r.steps for r in ranks), default=0)
             after_failure = failed
         until("other", end)
-        return Goodput(wall_s=end - self.started_at, parts=parts, steps_lost=steps_lost,
+        return Goodput(wall_s=end - self.started_at, parts=parts, steps=steps, steps_lost=steps_lost,
                        attempts=len(self._attempts), observed=any(a.records for a in self._attempts))
 
     def _current(self) -> _Attempt:
@@ -207,8 +209,9 @@ def _mean(values) -> float:
 
 def report(result: Goodput, record, say) -> None:
     """The call's end: its ledger kept in its record (fanrun.Run(id).goodput reads it there) and,
-    where the ranks kept progress records, said in one line. Neither hides the call's outcome."""
-    if result.observed:
+    where the ranks kept progress records and trained (optimizer steps) or restarted, said in one
+    line. Neither hides the call's outcome."""
+    if result.observed and (result.steps or result.attempts > 1):
         say(result.line())
     try:
         record.add(FILE, result.to_json())
