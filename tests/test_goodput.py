@@ -160,6 +160,7 @@ def test_a_detached_run_keeps_its_ledger_over_its_attempts_in_its_record(store, 
     assert ledger.wall_s <= info["ended"] - info["created"]
     assert ledger.attempts == 2 and ledger.steps_lost == 2 and ledger.parts["restart"] > 0
     assert records.RunRecord.find(run.id).read_bytes(goodput.FILE) == ledger.to_json()
+    assert f"fanrun: {ledger.line()}\n" in run.logs()  # what `fanrun logs` and `fanrun attach` show
     # The runner's call is tracked as a blocking one is: its attempts nested under its run.
     runs = {found.info.run_name: found for found in client.search_runs([experiment_id])}
     name = min(runs, key=len)

@@ -7,7 +7,12 @@ function began on every rank, when it was ready (its first collective or step en
 waited for data and was held by checkpoint saves, when it returned or raised, and the step of the
 last save that completed. The parts are laid on one timeline in order, each from where the last
 one stopped, so they add up to the wall time exactly; whatever is none of the named parts is
-"other". Restarts that keep their processes call the same five methods.
+"other".
+
+The attempts' boundaries come through five calls (attempt_started, locks_held, ranks_ended,
+attempt_failed, attempt_ended), so that restarts that keep their processes can make the same
+ones; each attempt's records are that attempt's own, as a rank's record is made anew for each
+call of its function (_rank/progress.py's install).
 """
 
 from __future__ import annotations

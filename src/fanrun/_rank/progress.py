@@ -42,6 +42,9 @@ _contract = runpy.run_path(os.path.join(os.path.dirname(__file__), "contract.py"
 _FORMAT = struct.Struct(_contract["PROGRESS_FORMAT"])
 _FIELD = {name: index for index, name in enumerate(_contract["PROGRESS_FIELDS"])}
 _COMPUTE, _DATA, _COLLECTIVE = _contract["STATE_COMPUTE"], _contract["STATE_DATA"], _contract["STATE_COLLECTIVE"]
+# Looked up once: each step and collective checks whether it is the first to end ("ready": set-up,
+# CUDA, NCCL, the process group, is behind), which costs it a list index and no more.
+_READY_AT, _READY_DATA_S, _DATA_S = _FIELD["ready_at"], _FIELD["ready_data_s"], _FIELD["data_s"]
 
 # torch.distributed's collectives that user code calls; each one entered counts once (the ones
 # that others call inside, as all_gather_object calls all_gather, are not counted again).
@@ -110,13 +113,6 @@ def mark(field: str) -> None:
     if record is not None:
         record.values[_FIELD[field]] = time.time()
         record.write()
-
-
-def _ready(record: _Record, now: float) -> None:
-    """The first collective or step has ended: set-up (CUDA, NCCL, the process group) is behind."""
-    values = record.values
-    if not values[_FIELD["ready_at"]]:
-        values[_FIELD["ready_at"]], values[_FIELD["ready_data_s"]] = now, values[_FIELD["data_s"]]
 
 
 def _forget_record() -> None:
@@ -199,7 +195,8 @@ def _stepped(optimizer, args, kwargs) -> None:
     record.step_data_from, record.step_comm_from = values[_FIELD["data_s"]], values[_FIELD["comm_s"]]
     values[_FIELD["steps"]] += 1
     values[_FIELD["step_at"]] = values[_FIELD["progress_at"]] = now
-    _ready(record, now)
+    if not values[_READY_AT]:
+        values[_READY_AT], values[_READY_DATA_S] = now, values[_DATA_S]
     record.write()
 
 
@@ -250,7 +247,8 @@ def _timed_collective(name: str, collective):
         values[_FIELD["comm_s"]] += now - started
         values[_FIELD["state"]], values[_FIELD["state_since"]] = _COMPUTE, now
         values[_FIELD["progress_at"]] = now
-        _ready(record, now)
+        if not values[_READY_AT]:
+            values[_READY_AT], values[_READY_DATA_S] = now, values[_DATA_S]
         record.write()
         return result
 
