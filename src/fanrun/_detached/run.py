@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from .._errors import FanrunError, RemoteTraceback, RunCancelledError, UnknownRunError
-from .._launch import rank_logs, record_watch, records
+from .._launch import goodput, rank_logs, record_watch, records
 from .._launch.record_files import FINAL, OUTCOME, DamagedRunError
 from .._launch.records import RunRecord
 from .._private_dir import open_private
@@ -66,6 +66,12 @@ class Run:
     def info(self) -> dict:
         """The whole recorded state: status, kind, times, the reason it failed, its rank logs' directory."""
         return self._record.state()
+
+    @property
+    def goodput(self) -> goodput.Goodput | None:
+        """Where the run's wall time went, over all its attempts (docs/goodput.md): the ledger kept
+        in its record as it ended; None while it runs."""
+        return goodput.read(self._record)
 
     def logs(self, rank: int | None = None, follow: bool = False) -> str | None:
         """The call's output so far, as a blocking call shows it (rank=N: that rank's full log).

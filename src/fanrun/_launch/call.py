@@ -1,7 +1,8 @@
 """The one call path. Every door builds a CallSpec with plan() and hands it to run(), which drives
 the call to its end: its record (records.py), the GPUs' locks, tracking (_tracking/hook.py), each
 attempt's run directory and ranks (run.py), the restarts (max_restarts), and the outcome. A detached run's runner
-(_detached/runner.py) and a workload's Ray job (_detached/ray_driver.py) call run() too."""
+(_detached/runner.py) and a workload's Ray job (_detached/ray_driver.py) call run() too. Its goodput
+ledger (goodput.py) follows the attempts and ends in the call's MLflow run, its record and one line."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .._spec.spec import CallSpec, Options
 from .._tracking import hook as tracking
 from ..backends.local import KEEPER, spares
 from ..backends.rank_env import RANK_DEFAULTS
-from . import gpu_locks, records, run as attempt_run, stall_outcome
+from . import goodput, gpu_locks, records, run as attempt_run, stall_outcome
 from .preflight import preflight
 
 
@@ -49,6 +50,7 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records
     rank again, up to max_restarts times. `kept`: the ranks a keep_alive function keeps between
     calls. `record`: the run's record, where its door made it (a detached run's runner, which
     ends it); else the call makes one (records.py), which ends with it."""
+    ledger = goodput.Ledger()
     options = spec.options
     warm = spares.warm(options.warm)
     restarts_warm = options.max_restarts > 0 and spec.plan.backend == "local" and spec.program.python
@@ -57,34 +59,46 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records
         spares.POOL.fill_soon(spec.plan.world_size, KEEPER, RANK_DEFAULTS)
     try:
         # The run's record, from here to its end: the one place where a blocking call's ends.
-        with records.of_call(spec.name, spec.plan.world_size, record) as record, tracking.call(spec) as submission:
-            for attempt in range(options.max_restarts + 1):
-                try:
-                    return _attempt(spec, attempt, submission, kept, record,
-                                    warm=warm or (restarts_warm and attempt > 0))
-                except Exception as error:  # an interrupt is never retried
-                    if attempt == options.max_restarts:
-                        raise
-                    first_line = (str(error).splitlines() or [""])[0]
-                    _say(f"attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
-                         f"{first_line}); starting every rank again")
-            raise AssertionError("unreachable")
+        with records.of_call(spec.name, spec.plan.world_size, record) as record:
+            try:
+                with tracking.call(spec) as submission:
+                    tracking.holds_ledger(submission, ledger)
+                    for attempt in range(options.max_restarts + 1):
+                        ledger.attempt_started()
+                        try:
+                            results = _attempt(spec, attempt, submission, kept, record, ledger,
+                                               warm=warm or (restarts_warm and attempt > 0))
+                            ledger.attempt_ended()
+                            return results
+                        except Exception as error:  # an interrupt is never retried
+                            ledger.attempt_failed()
+                            if attempt == options.max_restarts:
+                                raise
+                            first_line = (str(error).splitlines() or [""])[0]
+                            _say(f"attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
+                                 f"{first_line}); starting every rank again")
+                    raise AssertionError("unreachable")
+            finally:
+                goodput.report(ledger.close(), record, _say)
     finally:
         if restarts_warm and not warm:
             spares.POOL.drop()  # started for restarts alone: they do not outlive the call
 
 
 def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | None,
-             record: records.RunRecord, *, warm: bool) -> list:
+             record: records.RunRecord, ledger: goodput.Ledger, *, warm: bool) -> list:
     # The GPUs are this call's alone while it runs: a call that holds them already goes first.
     gpus = spec.gpus()
     with gpu_locks.hold(gpus, holder=repr(spec.name), on_busy=_say):
         # Before any rank starts: an unhealthy GPU stops the call, or is left out (exclude_unhealthy).
         gate = _health_gate(spec)
         spec = gate.checked_spec()
+        ledger.locks_held()
         # The MLflow run starts once the GPUs are free, and ends with the call's outcome.
         gpu_indices = [gpu.nvml_index for gpu in spec.gpus()]
         with tracking.attempt(spec, submission, gpu_indices, gate.record()) as tracked:
+            if submission is None:
+                tracking.holds_ledger(tracked, ledger)  # the attempt's run is the call's
             # One run directory, for the launcher and for tracking, which uploads its logs.
             with RunPaths.create(spec.name, run_id=record.id) as paths:
                 tracked.use_directory(paths)
@@ -94,7 +108,8 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
                 return attempt_run.run(spec, paths, extra_env={**spec.env, **tracked.rank_env, **restarts},
                                        warm=warm, keep=kept, open_gpu_sample=tracking.gpu_sampler(gpu_indices),
                                        announce=attempt == 0, attempt=attempt,
-                                       on_stall_report=stall_outcome.handler(spec.options.on_stall, paths, record))
+                                       on_stall_report=stall_outcome.handler(spec.options.on_stall, paths, record),
+                                       on_ranks_ended=ledger.ranks_ended)
 
 
 def check_health(spec: CallSpec) -> health.Gate:

@@ -11,6 +11,7 @@ identity (its pid and start time) and hold (a lock on runner.json).
                     runner): its pid and start time, which tell it from a later process with its
                     pid. That process holds it locked (flock) for as long as it runs the call
     outcome.pkl     a detached run's results, or the exception a blocking call would have raised
+    goodput.json    the call's goodput ledger over all its attempts, as it ended (_launch/goodput.py)
 
 A detached run's record also holds what only a detached run has (_detached/files.py).
 """

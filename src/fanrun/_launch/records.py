@@ -271,6 +271,11 @@ class RunRecord:
         with self._opened() as dir_fd:
             replace_private(dir_fd, name, data)
 
+    def add(self, name: str, data: bytes) -> None:
+        """Adds the file `name` to the record, once (the call's goodput ledger, goodput.py)."""
+        with self._opened() as dir_fd:
+            create_private(dir_fd, name, data, sync=self._durable())
+
     def read_bytes(self, name: str) -> bytes | None:
         with self._opened() as dir_fd:
             try:

@@ -31,7 +31,8 @@ FLIGHT_RECORDER_ENTRIES = 256
 
 def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: bool = False,
         keep: KeptRanks | None = None, open_gpu_sample: Callable[[], Callable | None] | None = None,
-        announce: bool = True, attempt: int = 0, on_stall_report: Callable | None = None) -> list[object]:
+        announce: bool = True, attempt: int = 0, on_stall_report: Callable | None = None,
+        on_ranks_ended: Callable | None = None) -> list[object]:
     """Runs one attempt of the call in `paths`, its directory; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
 
@@ -40,7 +41,9 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
     `keep`: the ranks may be the ones this holder kept from the last call, and this call's are
     kept there if it ends well (keep_alive). `open_gpu_sample()`, where a panel shows, gives what
     samples the ranks' GPUs for it. `announce`: the run's id is said as it starts (its first attempt).
-    `on_stall_report(report, mux)`, where the call is watched for stalls, takes each stall's report."""
+    `on_stall_report(report, mux)`, where the call is watched for stalls, takes each stall's report;
+    `on_ranks_ended(records, failure_seen_at)` then takes every rank's last progress record and
+    when the first rank that failed was seen to end (None: none was), for the goodput ledger."""
     plan = spec.plan
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -95,6 +98,8 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
             finally:
                 running_calls.remove(paths)
                 mux.close()
+                if watch is not None and on_ranks_ended is not None:
+                    on_ranks_ended(watch.last_read(), watch.failure_seen_at)
         try:
             results = collect(spec.name, ranks, paths, mux, timeout_report, options.timeout,
                               returns_values=spec.returns_values)
@@ -142,7 +147,7 @@ def _pump(ranks: Ranks, mux: OutputMux, wakeup: SignalWakeup, timeout_report: Ti
             elif kind is exited:
                 mux.rank_exited(event.rank, event.exit_code, event.signal)
                 if watch is not None:
-                    watch.ended(event.rank)
+                    watch.ended(event.rank, failed=event.exit_code != 0 or event.signal != 0)
             elif kind is timed_out:
                 # The stack-dump signal is out and the ranks still run: from here, stderr is
                 # kept, and what stands in the way of a dump can still be seen.

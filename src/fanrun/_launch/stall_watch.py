@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from .. import _core
 from .._rank import contract
 from .._spec.paths import RunPaths
 from . import forensics
@@ -27,6 +28,9 @@ BEFORE_STEPS_S = 300.0
 # The records are read this often for the live step times and the straggler flags; a stall is
 # looked for at each read too, and at the moment the timeout would fall due.
 READ_EVERY_S = 1.0
+# A rank that ends failed while nothing else stops the ranks is a failure of its own; one that
+# ends as a timeout or a cancel (a stall's abort, an interrupt) stops it is not.
+_OWN_FAILURE = (_core.StopReason.NONE, _core.StopReason.RANK_FAILED)
 
 
 def timeout_for(step_times: list[float], given: float | None) -> float:
@@ -51,6 +55,7 @@ class StallWatch:
         started = time.time()
         self._seen_at = [started] * self._world_size  # the last progress seen of each rank
         self._ended: set[int] = set()
+        self.failure_seen_at: float | None = None  # when the first rank that failed of itself was seen to end
         self._reported_at: float | None = None  # the stall reported, until progress resumes
         self._read_at = -1.0
         self.progress: list[RankProgress | None] = [None] * self._world_size
@@ -62,8 +67,15 @@ class StallWatch:
         """A progress bar of `rank` was redrawn."""
         self._seen_at[rank] = time.time()
 
-    def ended(self, rank: int) -> None:
+    def ended(self, rank: int, failed: bool = False) -> None:
         self._ended.add(rank)
+        if failed and self.failure_seen_at is None and self._ranks.stop_reason in _OWN_FAILURE:
+            self.failure_seen_at = time.time()
+
+    def last_read(self) -> list[RankProgress | None]:
+        """Every rank's record as the attempt ends: what the goodput ledger (goodput.py) takes."""
+        self._read()
+        return list(self.progress)
 
     def seconds_to_check(self) -> float:
         """How long the pump may wait before this watch is due."""

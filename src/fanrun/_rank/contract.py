@@ -75,11 +75,16 @@ def forensics_answer_name(rank: int) -> str:
 # batches, collectives entered through torch.distributed's Python functions, the time (time.time())
 # the state began, the last sign of progress, the last step's end, the last step's length and
 # the seconds of it spent waiting for data and in collectives, the same two summed over the
-# call, and the name of the current (or last) collective.
-PROGRESS_FORMAT = "<8sIIqqqddddddddd24s"
-PROGRESS_MAGIC = b"fanrunP1"
+# call; then the call's marks for its goodput ledger (_launch/goodput.py): when the function
+# began, when torch's import ended where the function imported it, when it was ready (its first collective or step ended) and the data wait summed by
+# then, when it returned or raised, the seconds its saves of torch.distributed.checkpoint held
+# the training thread, the steps done when the last completed save began and how many saves
+# completed; and the name of the current (or last) collective. A new layout takes a new magic.
+PROGRESS_FORMAT = "<8sIIqqqdddddddddddddddqq24s"
+PROGRESS_MAGIC = b"fanrunP2"
 PROGRESS_FIELDS = ("magic", "state", "pid", "steps", "batches", "collectives", "state_since", "progress_at",
-                   "step_at", "step_s", "step_data_s", "step_comm_s", "data_s", "comm_s", "reserved", "op")
+                   "step_at", "step_s", "step_data_s", "step_comm_s", "data_s", "comm_s", "began_at", "torch_at", "ready_at",
+                   "ready_data_s", "ended_at", "failed_at", "checkpoint_s", "checkpoint_step", "checkpoints", "op")
 # What the rank is doing, the record's "state".
 STATE_COMPUTE = 0  # anything but the two below: its own code
 STATE_DATA = 1  # in a DataLoader's __next__

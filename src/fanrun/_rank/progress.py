@@ -1,11 +1,15 @@
 """A rank's progress, observed without a change to its code, and its evidence when it stalls.
 
-Progress: once torch is imported, three things that training code already does are timed:
+Progress: once torch is imported, four things that training code already does are timed:
 the optimizer's steps (torch's global step post-hook), a DataLoader's batches (its iterators'
-__next__) and the collectives of torch.distributed's Python functions. Each rewrites this rank's
+__next__), the collectives of torch.distributed's Python functions, and, once
+torch.distributed.checkpoint is imported, its save() and async_save() (how long they hold the
+training thread, and the step of the last save that completed). Each rewrites this rank's
 progress record (the contract's PROGRESS_FORMAT) in a file the rank keeps mapped: a store to
 memory, read by the caller's stall watch (_launch/stall_watch.py) whenever it looks. A rank whose
 every thread is stuck can still be read, as the record lies in the page cache, not in the rank.
+The worker marks when the function began, returned or raised (mark()); with the first collective
+or step, the record is "ready". The caller's goodput ledger (_launch/goodput.py) reads these marks.
 
 Evidence, when the caller asks for it:
 - every thread's Python stack, which faulthandler writes on FORENSICS_SIGNAL into the rank's
@@ -38,6 +42,9 @@ _contract = runpy.run_path(os.path.join(os.path.dirname(__file__), "contract.py"
 _FORMAT = struct.Struct(_contract["PROGRESS_FORMAT"])
 _FIELD = {name: index for index, name in enumerate(_contract["PROGRESS_FIELDS"])}
 _COMPUTE, _DATA, _COLLECTIVE = _contract["STATE_COMPUTE"], _contract["STATE_DATA"], _contract["STATE_COLLECTIVE"]
+# Looked up once: each step and collective checks whether it is the first to end ("ready": set-up,
+# CUDA, NCCL, the process group, is behind), which costs it a list index and no more.
+_READY_AT, _READY_DATA_S, _DATA_S = _FIELD["ready_at"], _FIELD["ready_data_s"], _FIELD["data_s"]
 
 # torch.distributed's collectives that user code calls; each one entered counts once (the ones
 # that others call inside, as all_gather_object calls all_gather, are not counted again).
@@ -50,6 +57,8 @@ EVIDENCE_COLLECTIVES = 16
 
 _record: _Record | None = None  # this call's record; a kept rank gets a new one each call
 _patched = False
+_checkpoint_patched = False
+CHECKPOINT_MODULE = "torch.distributed.checkpoint"
 
 
 class _Record:
@@ -63,10 +72,14 @@ class _Record:
             self._map = mmap.mmap(fd, _FORMAT.size)
         finally:
             os.close(fd)
-        now = time.time()
-        self.values = [_contract["PROGRESS_MAGIC"], _COMPUTE, os.getpid(), 0, 0, 0, now, 0.0, 0.0, 0.0, 0.0, 0.0,
-                       0.0, 0.0, 0.0, b""]
+        self.values = [0.0] * len(_FIELD)
+        for name in ("steps", "batches", "collectives", "checkpoint_step", "checkpoints"):
+            self.values[_FIELD[name]] = 0
+        self.values[_FIELD["magic"]], self.values[_FIELD["op"]] = _contract["PROGRESS_MAGIC"], b""
+        self.values[_FIELD["state"]], self.values[_FIELD["pid"]] = _COMPUTE, os.getpid()
+        self.values[_FIELD["state_since"]] = time.time()
         self.depth = 0  # collectives inside a collective are not counted
+        self.saving = False  # a save inside a save (async_save's own) is not counted again
         self.step_data_from = self.step_comm_from = 0.0  # data_s and comm_s when the last step ended
         self.write()
 
@@ -92,6 +105,14 @@ def install(run_dir: str, rank: int) -> None:
         _patch_torch()
     elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport("torch", _patch_torch))
+
+
+def mark(field: str) -> None:
+    """The worker's marks: the function began (began_at), returned (ended_at) or raised (failed_at)."""
+    record = _record
+    if record is not None:
+        record.values[_FIELD[field]] = time.time()
+        record.write()
 
 
 def _forget_record() -> None:
@@ -130,6 +151,14 @@ def _patch_torch() -> None:
     if _patched:
         return
     _patched = True
+    if _record is not None:
+        _record.values[_FIELD["torch_at"]] = time.time()  # the ledger counts the import as the start's
+        _record.write()
+    if CHECKPOINT_MODULE in sys.modules:
+        _patch_checkpoint()
+    else:
+        # Imported by the function only when it saves; importing it here would cost every rank.
+        sys.meta_path.insert(0, _AfterImport(CHECKPOINT_MODULE, _patch_checkpoint))
     try:
         importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook(_stepped)
     except (ImportError, AttributeError):
@@ -166,6 +195,8 @@ def _stepped(optimizer, args, kwargs) -> None:
     record.step_data_from, record.step_comm_from = values[_FIELD["data_s"]], values[_FIELD["comm_s"]]
     values[_FIELD["steps"]] += 1
     values[_FIELD["step_at"]] = values[_FIELD["progress_at"]] = now
+    if not values[_READY_AT]:
+        values[_READY_AT], values[_READY_DATA_S] = now, values[_DATA_S]
     record.write()
 
 
@@ -216,10 +247,78 @@ def _timed_collective(name: str, collective):
         values[_FIELD["comm_s"]] += now - started
         values[_FIELD["state"]], values[_FIELD["state_since"]] = _COMPUTE, now
         values[_FIELD["progress_at"]] = now
+        if not values[_READY_AT]:
+            values[_READY_AT], values[_READY_DATA_S] = now, values[_DATA_S]
         record.write()
         return result
 
     return timed_collective
+
+
+def _patch_checkpoint() -> None:
+    """Times torch.distributed.checkpoint's save() and async_save(), whatever the storage
+    (fanrun's VolumeWriter or another), once per process."""
+    global _checkpoint_patched
+    if _checkpoint_patched:
+        return
+    _checkpoint_patched = True
+    modules = [sys.modules.get(CHECKPOINT_MODULE), sys.modules.get(f"{CHECKPOINT_MODULE}.state_dict_saver")]
+    for name in ("save", "async_save"):
+        original = getattr(modules[0], name, None)
+        if original is None:
+            continue
+        timed = _timed_save(original, waits_for_save=name == "save")
+        for module in modules:
+            if module is not None and getattr(module, name, None) is original:
+                setattr(module, name, timed)
+
+
+def _timed_save(save, waits_for_save: bool):
+    """The time a save holds the calling thread counts as a checkpoint stall: all of save(), the
+    staging part of async_save(). The save is complete when save() returns, or when
+    async_save()'s future of the upload is done; its step is the steps done when it began."""
+
+    @functools.wraps(save)
+    def timed_save(*args, **kwargs):
+        record = _record
+        if record is None or record.saving:
+            return save(*args, **kwargs)
+        values = record.values
+        steps, started = values[_FIELD["steps"]], time.time()
+        record.saving = True
+        try:
+            result = save(*args, **kwargs)
+        finally:
+            record.saving = False
+            values[_FIELD["checkpoint_s"]] += time.time() - started
+            record.write()
+        if waits_for_save:
+            _saved(record, steps)
+        else:
+            upload = getattr(result, "upload_completion", result)  # an AsyncSaveResponse, or the future itself
+            if hasattr(upload, "add_done_callback"):
+                upload.add_done_callback(lambda future: _completed(future) and _saved(record, steps))
+        return result
+
+    return timed_save
+
+
+def _completed(future) -> bool:
+    try:
+        (future.result if hasattr(future, "result") else future.value)()
+    except BaseException:
+        return False
+    return True
+
+
+def _saved(record: _Record, steps: int) -> None:
+    """A save that began after `steps` steps has completed (in the save's thread, for an async one)."""
+    if record is not _record:
+        return  # a kept rank's next call has a record of its own
+    values = record.values
+    values[_FIELD["checkpoint_step"]] = max(values[_FIELD["checkpoint_step"]], steps)
+    values[_FIELD["checkpoints"]] += 1
+    record.write()
 
 
 class _Forensics:

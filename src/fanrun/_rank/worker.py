@@ -132,16 +132,26 @@ def _run_function(run_dir: Path, rank: int) -> None:
             fn, args, kwargs = pickle.load(payload)
         except BaseException as error:
             _fail(run_dir, rank, "exception", error)
+    _mark("began_at")
     try:
         result = fn(*args, **kwargs)
     except SystemExit as error:
         if error.code not in (None, 0):
+            _mark("failed_at")
             _fail(run_dir, rank, "exit", error)
         result = None
     except BaseException as error:
+        _mark("failed_at")
         _fail(run_dir, rank, "exception", error)
+    _mark("ended_at")
     _send_pending_metrics()
     _send_result(run_dir, rank, result)
+
+
+def _mark(field: str) -> None:
+    """When the function began, returned or raised, in the progress record where the rank keeps one."""
+    if _progress is not None and os.environ.get(_contract.ENV_PROGRESS) == "1":
+        _progress["mark"](field)
 
 
 def _open_payload(run_dir: Path):
@@ -193,13 +203,17 @@ def _run_program(mode: str, target: str, argv: list[str], run_dir: Path, rank: i
         sys.argv = [target, *argv]
         sys.path[0] = os.getcwd()
         run = lambda: runpy.run_module(target, run_name="__main__", alter_sys=True)  # noqa: E731
+    _mark("began_at")
     try:
         run()
     except SystemExit as error:
         if error.code not in (None, 0):
+            _mark("failed_at")
             _fail(run_dir, rank, "exit", error)
     except BaseException as error:
+        _mark("failed_at")
         _fail(run_dir, rank, "exception", error)
+    _mark("ended_at")
     _send_pending_metrics()
 
 

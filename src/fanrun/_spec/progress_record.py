@@ -1,6 +1,6 @@
 """A rank's progress record (_rank/progress.py writes it, in the contract's PROGRESS_FORMAT) as the
-caller's side reads it: the stall watch (_launch/stall_watch.py) and tracking's step times
-(_tracking/rank_steps.py) read it through this one reader."""
+caller's side reads it: the stall watch (_launch/stall_watch.py), tracking's step times
+(_tracking/rank_steps.py) and the goodput ledger (_launch/goodput.py) read it through this one reader."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ class RankProgress:
     data_s: float  # summed over the call
     comm_s: float
     op: str  # the current or last collective
+    # The call's marks for its goodput ledger (_launch/goodput.py); 0 where not reached yet.
+    began_at: float = 0.0  # the function began
+    torch_at: float = 0.0  # torch's import ended, where this call imported it
+    ready_at: float = 0.0  # its first collective, or else its first step, ended
+    ready_data_s: float = 0.0  # data_s by then
+    ended_at: float = 0.0  # the function returned
+    failed_at: float = 0.0  # the function raised
+    checkpoint_s: float = 0.0  # the training thread held by saves of torch.distributed.checkpoint
+    checkpoint_step: int = 0  # `steps` when the last completed save began
+    checkpoints: int = 0  # saves completed
 
     @classmethod
     def read(cls, path: Path, rank: int) -> RankProgress | None:
@@ -47,7 +57,6 @@ class RankProgress:
         values = dict(zip(contract.PROGRESS_FIELDS, _FORMAT.unpack(data)))
         if values.pop("magic") != contract.PROGRESS_MAGIC:
             return None
-        values.pop("reserved")
         values["state"] = STATES.get(values["state"], "compute")
         values["op"] = values["op"].rstrip(b"\0").decode("ascii", "replace")
         return cls(rank=rank, **values)

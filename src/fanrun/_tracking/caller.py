@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import agent_connection
@@ -77,6 +77,8 @@ class TrackedCall:
 
     rank_env: dict[str, str]
     paths: RunPaths | None = None
+    # What the run logs as it ends, where it is the call's run: the call's goodput ledger (hook.holds_ledger).
+    final_metrics: Callable[[], dict[str, float]] | None = None
     _run: _CallRun | None = dataclasses.field(default=None, repr=False)
 
     def use_directory(self, paths: RunPaths) -> None:
@@ -109,9 +111,9 @@ def track_submission(*, function_name: str, plan: Plan, options: Any) -> Iterato
     try:
         yield submission
     except BaseException as error:
-        run.end(None, 0, error, {"fanrun.attempts": str(submission.attempts)})
+        run.end(None, 0, error, {"fanrun.attempts": str(submission.attempts)}, _final_metrics(submission))
         raise
-    run.end(None, 0, None, {"fanrun.attempts": str(submission.attempts)})
+    run.end(None, 0, None, {"fanrun.attempts": str(submission.attempts)}, _final_metrics(submission))
 
 
 @dataclasses.dataclass
@@ -120,6 +122,7 @@ class Submission:
 
     run: _CallRun
     attempts: int = 0
+    final_metrics: Callable[[], dict[str, float]] | None = None  # as TrackedCall's
 
 
 @contextlib.contextmanager
@@ -165,11 +168,22 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
             run.wait_opened()  # a run_id that names no run raises here, before any rank starts
         yield call
     except BaseException as error:
-        run.end(call.paths, plan.world_size, error)
+        run.end(call.paths, plan.world_size, error, metrics=_final_metrics(call))
         raise
     finally:
         _tell_if_marked(call.paths, rank_half.UNREACHABLE_MARKER)
-    run.end(call.paths, plan.world_size, None)
+    run.end(call.paths, plan.world_size, None, metrics=_final_metrics(call))
+
+
+def _final_metrics(run: TrackedCall | Submission) -> dict[str, float]:
+    """What the call's run logs as it ends; a failure to reckon it never hides the call's outcome."""
+    if run.final_metrics is None:
+        return {}
+    try:
+        return run.final_metrics()
+    except Exception as error:
+        _warn(f"fanrun: the call's goodput ledger could not be logged to its MLflow run: {type(error).__name__}: {error}")
+        return {}
 
 
 class _CallRun:
@@ -280,7 +294,7 @@ class _CallRun:
             self._answered.set()
 
     def end(self, paths: RunPaths | None, world_size: int, error: BaseException | None,
-            extra_tags: dict[str, str] | None = None) -> None:
+            extra_tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None) -> None:
         """Hands the agent the outcome and waits until it has closed the run: made it if it had
         not yet, written what the ranks sent, set the status. What it had to say about the run is
         shown here, at the user's line, before the call returns or raises."""
@@ -288,7 +302,7 @@ class _CallRun:
         tags.update(extra_tags or {})
         self._agent.finish_call(self._id, {
             "status": status, "tags": tags, "world_size": world_size,
-            "run_dir": str(paths.directory) if paths is not None else None,
+            "run_dir": str(paths.directory) if paths is not None else None, "metrics": metrics or {},
         })
         # Every rank has ended: none will connect to the socket again.
         self.socket.close()

@@ -1,6 +1,6 @@
 """Tracking as the call path (_launch/call.py) plugs it in: one context around the whole call, one
-around each attempt, and the GPU samples the live panel shows. The rest of _tracking stays
-behind these three."""
+around each attempt, the run that holds the call's goodput ledger, and the GPU samples the live
+panel shows. The rest of _tracking stays behind these four."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def attempt(spec: CallSpec, submission: caller.Submission | None, gpu_indices: l
     with caller.track(function_name=spec.name, plan=spec.plan, gpu_indices=gpu_indices, options=spec.options,
                       submission=submission, health=health) as tracked:
         yield tracked
+
+
+def holds_ledger(run: caller.Submission | caller.TrackedCall | None, ledger) -> None:
+    """The call's run (a submission's, the parent of its attempts', or else its one attempt's)
+    logs the call's goodput ledger (_launch/goodput.py) as it ends, closed at that moment."""
+    if run is not None:
+        run.final_metrics = lambda: ledger.close().metrics()
 
 
 def gpu_sampler(nvml_indices: list[int]) -> Callable[[], Callable | None] | None:
