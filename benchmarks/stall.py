@@ -13,7 +13,8 @@ what torch alone does with the same hang, from one run on the same machine.
     a warm-up, alternating, median of --repeat.
 (c) torch alone on the same hangs: fanrun with on_stall=None, so that only torch acts, and a
     process-group timeout of --torch-timeout seconds given to init_process_group: the time until
-    torch's own error reaches the caller. Printed beside it: the timeout torch waits by default.
+    torch's own error reaches the caller (--torch-timeout 0: none given, so torch waits its default,
+    30 min for gloo). Printed beside it: the timeouts torch waits by default.
 
     python benchmarks/stall.py [--ranks 2] [--device cpu|cuda] [--stall-timeout S] [--torch-timeout 20]
                                [--repeat 5] [--steps 300] [--parts latency cost torch] [--smoke]
@@ -190,11 +191,11 @@ def torch_alone(case: str, args, marks: Path) -> dict:
     """(c): the planted hang with fanrun not watching: the seconds until torch's error reaches the caller."""
     from fanrun import distributed
 
-    hang_s = args.torch_timeout + 120
+    hang_s = (args.torch_timeout or torch_default_timeout(args.device)) + 120
     function = distributed(**decorator_arguments(args.ranks, args.device), on_stall=None,
                            timeout=hang_s + 60)(planted)
     try:
-        function.distributed(case, str(marks), hang_s, args.device, args.torch_timeout, AT_STEP + 10)
+        function.distributed(case, str(marks), hang_s, args.device, args.torch_timeout or None, AT_STEP + 10)
     except Exception as error:
         began = planted_at(marks)
         first = (str(error).splitlines() or [""])[0]
@@ -252,6 +253,15 @@ def cost(args) -> dict[str, list[float]]:
     return rates
 
 
+def torch_default_timeout(device: str) -> float:
+    """The seconds a collective of the planted hang waits when init_process_group is given no timeout."""
+    import torch.distributed.constants as constants
+
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    chosen = nccl if device == "cuda" and nccl is not None else constants.default_pg_timeout
+    return chosen.total_seconds()
+
+
 def torch_defaults() -> list[str]:
     import torch.distributed.constants as constants
 
@@ -270,7 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stall-timeout", type=float, default=None,
                         help="fanrun's stall timeout in (a) (default: fanrun's own, the larger of 60 s and 10 step times)")
     parser.add_argument("--torch-timeout", type=float, default=20.0,
-                        help="the process-group timeout given to init_process_group in (c) (default 20)")
+                        help="the process-group timeout given to init_process_group in (c) (default 20; 0: none given, "
+                             "so torch's own default applies)")
     parser.add_argument("--repeat", type=int, default=5, help="rounds of (b); medians are shown (default 5)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps of (b) (default 300)")
     parser.add_argument("--warmup", type=int, default=20)
@@ -327,7 +338,8 @@ def main() -> None:
         print(f"watched/not watched: {ratio:.3f}x", flush=True)
         goals.append((f"watching costs at most {COST_GOAL:.0%} of the steps/s", ratio >= 1 - COST_GOAL, f"{ratio:.3f}x"))
     if "torch" in args.parts:
-        print(f"\n(c) torch alone (fanrun with on_stall=None): init_process_group(timeout={args.torch_timeout:g} s); "
+        given = f"timeout={args.torch_timeout:g} s" if args.torch_timeout else "no timeout: torch's default"
+        print(f"\n(c) torch alone (fanrun with on_stall=None): init_process_group({given}); "
               f"seconds from the planted hang to torch's error in the caller")
         for line in torch_defaults():
             print(f"torch's {line}")
