@@ -272,7 +272,7 @@ def test_each_gpus_verdict_goes_into_the_calls_mlflow_run(node, tmp_path, monkey
 @needs_gpus(1)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_the_cheap_and_deep_checks_pass_on_real_gpus_and_their_figures_are_recorded(tmp_path, monkeypatch):
-    from mlflow import MlflowClient
+    MlflowClient = pytest.importorskip("mlflow").MlflowClient  # make test installs it; a bare GPU host may not
 
     monkeypatch.delenv("FANRUN_TRACKING", raising=False)
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
