@@ -97,6 +97,15 @@ def test_an_unhealthy_gpu_stops_the_call_before_any_rank_starts(fault, node, tmp
     assert not list(tmp_path.glob("rank_*")), "a rank ran"
 
 
+def test_a_call_that_may_restart_is_not_restarted_for_an_unhealthy_gpu(node, tmp_path, capfd):
+    node(gpu_answers(0, ecc_uncorrected="3"))
+    call = fanrun.distributed(num_accelerators=1, tracking=False, max_restarts=2)(where_it_ran)
+    with pytest.raises(fanrun.GpuHealthError):
+        call.distributed(str(tmp_path))
+    assert "attempt 1 of 3 failed" not in capfd.readouterr().err  # the GPU is as bad for every attempt
+    assert not list(tmp_path.glob("rank_*")), "a rank ran"
+
+
 def test_a_gpu_at_rest_on_a_lower_pcie_generation_is_healthy(node, tmp_path):
     # NVIDIA's GPUs lower their link's generation at rest to save power: only the width counts then.
     node(gpu_answers(0, pcie="1 5 16 16", utilization="0"))

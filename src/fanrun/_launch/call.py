@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 
 from .. import _accelerators
+from .._errors import GpuHealthError
 from .._health import check as health
 from .._rank import contract
 from .._spec.paths import RunPaths
@@ -70,6 +71,9 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records
                                                warm=warm or (restarts_warm and attempt > 0))
                             ledger.attempt_ended()
                             return results
+                        except GpuHealthError:
+                            ledger.attempt_failed()
+                            raise  # the GPU is as unhealthy for the next attempt: nothing to retry
                         except Exception as error:  # an interrupt is never retried
                             ledger.attempt_failed()
                             if attempt == options.max_restarts:
