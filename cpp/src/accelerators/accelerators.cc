@@ -9,18 +9,18 @@
 #include <mutex>
 #include <string>
 
+#include "accelerators/nvml_internal.h"
+
 namespace fanrun {
 namespace {
 
-// The few NVML entry points fanrun uses, with the C types of nvml.h.
-using nvmlReturn_t = int;
-using nvmlDevice_t = void*;
-struct NvmlMemory {
-  unsigned long long total, free, used;
-};
-struct NvmlUtilization {
-  unsigned int gpu, memory;  // percent of the last sample period
-};
+using nvml::Bind;
+using nvml::NvmlMemory;
+using nvml::nvmlDevice_t;
+using nvml::nvmlReturn_t;
+using nvml::NvmlUtilization;
+
+// The few NVML entry points fanrun uses.
 
 struct Nvml {
   void* handle = nullptr;
@@ -34,12 +34,6 @@ struct Nvml {
   nvmlReturn_t (*driver_version)(char*, unsigned int) = nullptr;
   nvmlReturn_t (*device_utilization)(nvmlDevice_t, NvmlUtilization*) = nullptr;
 };
-
-template <typename F>
-bool Bind(void* handle, const char* name, F& out) {
-  out = reinterpret_cast<F>(::dlsym(handle, name));
-  return out != nullptr;
-}
 
 // An NVML failure as a status.
 Status NvmlStatus(StatusCode code, std::string message) { return Status(code, std::move(message)); }

@@ -8,22 +8,20 @@
 #include <string>
 #include <utility>
 
+#include "accelerators/nvml_internal.h"
+
 namespace fanrun {
 namespace {
 
-// The C types of nvml.h that these entry points take.
-using nvmlReturn_t = int;
-using nvmlDevice_t = void*;
-constexpr nvmlReturn_t kNvmlSuccess = 0;
+using nvml::Bind;
+using nvml::NvmlMemory;
+using nvml::nvmlDevice_t;
+using nvml::nvmlReturn_t;
+using nvml::NvmlUtilization;
+constexpr nvmlReturn_t kNvmlSuccess = nvml::kSuccess;
 constexpr nvmlReturn_t kNvmlInsufficientSize = 7;
 constexpr int kUncorrectedErrors = 1;  // NVML_MEMORY_ERROR_TYPE_UNCORRECTED
 constexpr int kVolatileCounter = 0;    // NVML_VOLATILE_ECC: since the driver was loaded
-struct NvmlMemory {
-  unsigned long long total, free, used;
-};
-struct NvmlUtilization {
-  unsigned int gpu, memory;
-};
 // nvmlProcessInfo_v2_t, which nvmlDeviceGetComputeRunningProcesses_v3 fills.
 struct NvmlProcessInfo {
   unsigned int pid;
@@ -32,12 +30,6 @@ struct NvmlProcessInfo {
   unsigned int compute_instance_id;
 };
 static_assert(sizeof(NvmlProcessInfo) == 24, "nvmlProcessInfo_v2_t is 24 bytes in nvml.h");
-
-template <typename F>
-bool Bind(void* handle, const char* name, F& out) {
-  out = reinterpret_cast<F>(::dlsym(handle, name));
-  return out != nullptr;
-}
 
 // NVML counts its initialisations; it is not documented as safe to start from several threads.
 std::mutex init_mutex;
