@@ -562,5 +562,6 @@ def test_everything_written_is_private_whatever_the_umask(runs_dir, monkeypatch)
     # The runs' records (_launch/records.py): the folder, each run's, and their files.
     kept = sorted((root / "records").iterdir())
     assert mode(root / "records") == 0o700 and [mode(record) for record in kept] == [0o700, 0o700]
-    files = {name: 0o600 for name in ("state.json", "runner.json", "attempt-0.json", "end.json")}
+    files = {name: 0o600 for name in ("state.json", "runner.json", "attempt-0.json", "end.json",
+                                      "goodput.json")}
     assert [{p.name: mode(p) for p in record.iterdir()} for record in kept] == [files] * 2
