@@ -109,7 +109,7 @@ void BindSupervisorOptions(nb::module_& m) {
           "__init__",
           [](SupervisorOptions* self, std::vector<RankOptions> ranks, std::string keeper_path, double timeout_s,
              double kill_grace_s, int stack_dump_signal, double stack_dump_wait_s, int wakeup_fd, bool control_channel,
-             bool expect_done, size_t max_line_bytes, double show_held_after_s) {
+             bool expect_done, size_t max_line_bytes, double show_held_after_s, int abandon_signal) {
             SupervisorOptions* options = new (self) SupervisorOptions();
             options->ranks = std::move(ranks);
             options->keeper_path = std::move(keeper_path);
@@ -122,13 +122,14 @@ void BindSupervisorOptions(nb::module_& m) {
             options->expect_done = expect_done;
             options->max_line_bytes = max_line_bytes;
             options->show_held_after_s = show_held_after_s;
+            options->abandon_signal = abandon_signal;
           },
           nb::kw_only(), nb::arg("ranks"), nb::arg("keeper_path"), nb::arg("timeout_s") = defaults.timeout_s,
           nb::arg("kill_grace_s") = defaults.kill_grace_s, nb::arg("stack_dump_signal") = defaults.stack_dump_signal,
           nb::arg("stack_dump_wait_s") = defaults.stack_dump_wait_s, nb::arg("wakeup_fd") = defaults.wakeup_fd,
           nb::arg("control_channel") = defaults.control_channel, nb::arg("expect_done") = defaults.expect_done,
           nb::arg("max_line_bytes") = defaults.max_line_bytes,
-          nb::arg("show_held_after_s") = defaults.show_held_after_s)
+          nb::arg("show_held_after_s") = defaults.show_held_after_s, nb::arg("abandon_signal") = defaults.abandon_signal)
       .def_rw("ranks", &SupervisorOptions::ranks, "One RankOptions per rank, in rank order (read and set whole).")
       .def_rw("keeper_path", &SupervisorOptions::keeper_path,
               "The fanrun-keeper executable, which ends every process a rank started when the rank ends.")
@@ -146,7 +147,10 @@ void BindSupervisorOptions(nb::module_& m) {
       .def_rw("max_line_bytes", &SupervisorOptions::max_line_bytes,
               "A longer line is reported in PARTIAL segments of this many bytes.")
       .def_rw("show_held_after_s", &SupervisorOptions::show_held_after_s,
-              "Output held for the rest of its line is shown once held this long.");
+              "Output held for the rest of its line is shown once held this long.")
+      .def_rw("abandon_signal", &SupervisorOptions::abandon_signal,
+              "After a rank's failure, sent to the other ranks that were spares instead of SIGTERM: they\n"
+              "abandon the call and survive for the next attempt (release_survivors); 0: none.");
 }
 
 void BindEvent(nb::module_& m) {
@@ -233,6 +237,22 @@ void BindSupervisor(nb::module_& m) {
           },
           "Once every rank said it is kept and the run did not stop early: the ranks, in rank order,\n"
           "as spares for the next call; otherwise [], and they end with kill_and_reap().")
+      .def(
+          "release_survivors",
+          [](Supervisor& s) {
+            std::vector<std::optional<PySpareRank>> released;
+            for (std::optional<SpareRank>& spare : ValueOrThrow(s.ReleaseSurvivors())) {
+              if (spare) {
+                released.emplace_back(PySpareRank{std::move(spare)});
+              } else {
+                released.emplace_back();
+              }
+            }
+            return released;
+          },
+          "After a failure, with abandon_signal: for each rank in rank order, the rank as a spare for the\n"
+          "next attempt where it abandoned its call in time, else None (the rank whose failure started\n"
+          "it, or one that ended); ranks not released end with kill_and_reap().")
       .def("kill_and_reap", [](Supervisor& s) { CallWithoutGil([&] { s.KillAndReap(); }); })
       .def_prop_ro("world_size", &Supervisor::world_size)
       .def_prop_ro("first_failed_rank", &Supervisor::first_failed_rank)

@@ -47,6 +47,11 @@ struct SupervisorOptions {
   // A rank that exits with code 0 without having reported "done" has failed: it ended
   // without returning (os._exit(0) in a function), and its siblings are stopped at once.
   bool expect_done = false;
+  // Restarts that keep the processes: when a rank fails, each other rank that was a spare is sent
+  // this signal instead of SIGTERM. It abandons its call (its process group aborted, not waited
+  // on) and says kControlKept; ReleaseSurvivors() then hands it to the next attempt. A rank that
+  // has not said so within kill_grace_s is stopped as usual. 0: every rank is stopped.
+  int abandon_signal = 0;
 };
 
 struct Event {
@@ -89,6 +94,10 @@ class Supervisor {
   // the ranks, in rank order, as spares waiting for their next call. Otherwise none: the kept
   // ranks end with the supervisor.
   Result<std::vector<SpareRank>> ReleaseKept();
+  // Once a rank failed and the run abandoned its call (abandon_signal): in rank order, each rank
+  // that said kControlKept, as a spare for the next attempt, and none for the rank whose failure
+  // started it or a rank that ended. The rest end with the supervisor.
+  Result<std::vector<std::optional<SpareRank>>> ReleaseSurvivors();
 
   int world_size() const { return static_cast<int>(ranks_.size()); }
   pid_t pid(int rank) const { return ranks_[static_cast<size_t>(rank)].pid; }
@@ -145,6 +154,7 @@ class Supervisor {
   void HandleDeadlines(Clock::time_point now, std::vector<Event>& events);
   void ShowHeldOutput(Clock::time_point now, std::vector<Event>& events);
   void Terminate(Clock::time_point now);
+  void Abandon(Clock::time_point now);
   void SignalRunning(int signo, bool with_descendants);
   bool AllReaped() const;
   int MillisecondsToNextDeadline(Clock::time_point now, std::optional<Clock::time_point> return_at) const;
@@ -156,6 +166,8 @@ class Supervisor {
   std::vector<int> running_at_timeout_;
   std::optional<Clock::time_point> timeout_at_, dump_done_at_, kill_at_, first_failure_at_;
   bool terminating_ = false;
+  bool abandoning_ = false;  // the call is being abandoned: the ranks may say kControlKept without "done"
+  std::optional<Clock::time_point> abandon_until_;  // then the ranks not kept yet are stopped
   bool sigkill_sent_ = false;
 };
 

@@ -67,6 +67,44 @@ while True:
     os.write(3, b"kept\n")
 )";
 
+// A spare whose failed calls keep it too (restarts that keep the processes): "fail" says
+// "failed" and "kept"; "wait" blocks until SIGUSR1, which stands for the abandon signal, then
+// says "kept"; "deaf" never answers it. Any other call succeeds and is kept, as kKeptProgram's.
+constexpr const char* kSurvivorProgram = R"(
+import os, signal, socket, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+os.write(3, b"ready\n")
+channel = socket.socket(fileno=3)
+def release_output():
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+while True:
+    data, fds, _, _ = socket.recv_fds(channel, 65536, 2)
+    if not data:
+        raise SystemExit(0)
+    head, _, body = data.partition(b"\n")
+    while len(body) < int(head[5:]):
+        body += channel.recv(65536)
+    fields = body.split(b"\0")[:-1]
+    script = fields[2 + int(fields[1]) - 1]
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    os.close(fds[0])
+    os.close(fds[1])
+    os.write(1, b"call in pid %d\n" % os.getpid())
+    if script == b"fail":
+        os.write(3, b"failed\n")
+    elif script == b"wait":
+        signal.sigwait({signal.SIGUSR1})
+    elif script == b"deaf":
+        time.sleep(3600)
+    else:
+        os.write(3, b"done\n")
+    release_output()
+    os.write(3, b"kept\n")
+)";
+
 class SpareRankTest : public testing::SupervisorFixture {
  protected:
   static Result<SpareRank> StartSpare() {
@@ -76,15 +114,21 @@ class SpareRankTest : public testing::SupervisorFixture {
     return SpareRank::Start(testing::KeeperPath(), spawn);
   }
 
-  static std::vector<SpareRank> StartKept(int count) {
+  static std::vector<SpareRank> StartKept(int count, const char* program = kKeptProgram) {
     std::vector<SpareRank> spares;
     for (int i = 0; i < count; ++i) {
       SpawnOptions spawn;
-      spawn.argv = {"python3", "-c", kKeptProgram};
+      spawn.argv = {"python3", "-c", program};
       spawn.env = MinimalEnv();
       auto spare = SpareRank::Start(testing::KeeperPath(), spawn);
       EXPECT_TRUE(spare.ok()) << spare.status().message();
       if (spare.ok()) spares.push_back(std::move(spare).ValueOrDie());
+    }
+    if (program == kSurvivorProgram) {  // it blocks the abandon signal first: until then, the signal would kill it
+      for (SpareRank& spare : spares) {
+        auto ready = spare.WaitReady(10);
+        EXPECT_TRUE(ready.ok() && *ready);
+      }
     }
     return spares;
   }
@@ -218,6 +262,76 @@ TEST_F(SpareRankTest, ARankStartedColdCannotBeKept) {
   auto kept = (*supervisor)->ReleaseKept();
   ASSERT_TRUE(kept.ok());
   EXPECT_TRUE(kept->empty());
+}
+
+TEST_F(SpareRankTest, AfterAFailureTheOtherRanksAbandonTheCallAndSurviveForTheNextAttempt) {
+  std::vector<SpareRank> spares = StartKept(3, kSurvivorProgram);
+  ASSERT_EQ(spares.size(), 3u);
+  const pid_t pids[3] = {spares[0].pid(), spares[1].pid(), spares[2].pid()};
+  auto options = Options({"wait", "fail", "wait"});
+  options.abandon_signal = SIGUSR1;
+  auto supervisor = Supervisor::Start(options, std::move(spares));
+  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kRankFailed);
+  auto survivors = (*supervisor)->ReleaseSurvivors();
+  ASSERT_TRUE(survivors.ok()) << survivors.status().message();
+  ASSERT_EQ(survivors->size(), 3u);
+  ASSERT_TRUE((*survivors)[0] && (*survivors)[2]);
+  EXPECT_FALSE((*survivors)[1]);  // the rank whose failure started it is not taken again
+  EXPECT_EQ((*survivors)[0]->pid(), pids[0]);
+  EXPECT_EQ((*survivors)[2]->pid(), pids[2]);
+  (*supervisor)->KillAndReap();
+  EXPECT_TRUE(ProcessGoneWithin(pids[1], 5000));
+
+  // The next attempt: the survivors at their ranks, a new spare for the failed one.
+  std::vector<SpareRank> next;
+  next.push_back(std::move(*(*survivors)[0]));
+  next.push_back(std::move(StartKept(1, kSurvivorProgram).at(0)));
+  next.push_back(std::move(*(*survivors)[2]));
+  auto again = Supervisor::Start(Options({"first", "second", "third"}), std::move(next));
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  const auto out = Lines(RunToEnd(**again), Stream::kStdout);
+  EXPECT_EQ(out.at(0), "call in pid " + std::to_string(pids[0]) + "|");
+  EXPECT_EQ(out.at(2), "call in pid " + std::to_string(pids[2]) + "|");
+  for (int rank : {0, 1, 2}) EXPECT_TRUE((*again)->exit_status(rank)->success());
+  EXPECT_EQ((*again)->stop_reason(), StopReason::kNone);
+}
+
+TEST_F(SpareRankTest, ARankThatDoesNotAbandonItsCallInTimeIsStopped) {
+  std::vector<SpareRank> spares = StartKept(2, kSurvivorProgram);
+  ASSERT_EQ(spares.size(), 2u);
+  auto options = Options({"deaf", "fail"});
+  options.abandon_signal = SIGUSR1;
+  options.kill_grace_s = 0.3;
+  auto supervisor = Supervisor::Start(options, std::move(spares));
+  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
+  auto survivors = (*supervisor)->ReleaseSurvivors();
+  ASSERT_TRUE(survivors.ok()) << survivors.status().message();
+  EXPECT_FALSE((*survivors)[0] || (*survivors)[1]);
+}
+
+TEST_F(SpareRankTest, WithoutAnAbandonSignalAFailureStopsEveryRankAndNoneSurvives) {
+  std::vector<SpareRank> spares = StartKept(2, kSurvivorProgram);
+  ASSERT_EQ(spares.size(), 2u);
+  auto supervisor = Supervisor::Start(Options({"deaf", "fail"}), std::move(spares));
+  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
+  auto survivors = (*supervisor)->ReleaseSurvivors();
+  ASSERT_TRUE(survivors.ok()) << survivors.status().message();
+  EXPECT_FALSE((*survivors)[0] || (*survivors)[1]);
+}
+
+TEST_F(SpareRankTest, AnAbandonSignalThatIsNoSignalIsRefused) {
+  auto options = Options({"true"});
+  options.abandon_signal = -1;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_FALSE(supervisor.ok());
+  EXPECT_NE(supervisor.status().message().find("abandon_signal"), std::string::npos);
 }
 
 TEST_F(SpareRankTest, MoreSparesThanRanksAreRefused) {

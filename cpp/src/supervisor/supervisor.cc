@@ -67,6 +67,9 @@ Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options,
   if (options.expect_done && !options.control_channel) {
     return Status::Invalid("expect_done needs the control channel");
   }
+  if (options.abandon_signal < 0 || options.abandon_signal >= NSIG) {
+    return Status::Invalid("abandon_signal must be 0 or a signal number, not ", options.abandon_signal);
+  }
   std::unique_ptr<Supervisor> supervisor(new Supervisor(std::move(options)));
   supervisor->ranks_.resize(supervisor->options_.ranks.size());
   for (size_t i = 0; i < supervisor->ranks_.size(); ++i) {
@@ -139,6 +142,19 @@ void Supervisor::KillAndReap() {
     FANRUN_WARN_NOT_OK(status.status(), "reaping a rank");
     if (rank.kept) rank.process.reset();
   }
+}
+
+Result<std::vector<std::optional<SpareRank>>> Supervisor::ReleaseSurvivors() {
+  std::vector<std::optional<SpareRank>> survivors(ranks_.size());
+  if (!abandoning_) return survivors;
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    Rank& rank = ranks_[i];
+    if (static_cast<int>(i) == first_failed_rank_ || !rank.kept || !rank.process) continue;
+    FANRUN_ASSIGN_OR_RETURN(SpareRank spare, SpareRank::Kept(std::move(*rank.process), std::move(rank.control)));
+    rank.process.reset();
+    survivors[i].emplace(std::move(spare));
+  }
+  return survivors;
 }
 
 Result<std::vector<SpareRank>> Supervisor::ReleaseKept() {
@@ -257,7 +273,7 @@ void Supervisor::PumpControl(size_t rank, std::vector<Event>& events) {
       OnFailure(rank);
     } else if (message == kControlDone) {
       r.done = true;
-    } else if (message == kControlKept && r.done && r.spare) {
+    } else if (message == kControlKept && (r.done || abandoning_) && r.spare) {
       OnKept(rank, events);
       return;  // its channel waits for its next call now, not for more messages
     }
@@ -299,13 +315,30 @@ void Supervisor::OnFailure(size_t rank) {
   first_failed_rank_ = static_cast<int>(rank);
   first_failure_at_ = Clock::now();
   stop_reason_ = StopReason::kRankFailed;
-  Terminate(*first_failure_at_);
+  if (options_.abandon_signal != 0) {
+    Abandon(*first_failure_at_);
+  } else {
+    Terminate(*first_failure_at_);
+  }
+}
+
+void Supervisor::Abandon(Clock::time_point now) {
+  abandoning_ = true;
+  abandon_until_ = now + Seconds(options_.kill_grace_s);
+  for (auto& rank : ranks_) {
+    if (rank.exit || !rank.process) continue;
+    // To the rank alone: what it started is its call's, and the rank ends that itself. (The rank
+    // that said "failed" is past its function already, and takes the signal as a no-op.)
+    Status st = rank.spare ? rank.process->Signal(options_.abandon_signal) : rank.process->SignalAll(SIGTERM);
+    FANRUN_WARN_NOT_OK(st, "telling a rank to abandon its call");
+  }
 }
 
 bool Supervisor::KilledFromOutsideJustAfterTheFirstFailure(const ExitStatus& exit) const {
   if (stop_reason_ != StopReason::kRankFailed || exit.term_signal == 0) return false;
   // SIGTERM is what the supervisor sends everyone, and SIGKILL once the grace period is over.
-  const bool sent_by_us = exit.term_signal == SIGTERM || (exit.term_signal == SIGKILL && sigkill_sent_);
+  const bool sent_by_us = exit.term_signal == SIGTERM || (exit.term_signal == SIGKILL && sigkill_sent_) ||
+                          (abandoning_ && exit.term_signal == options_.abandon_signal);
   return !sent_by_us && Clock::now() - *first_failure_at_ <= Seconds(kPeerFailureWindowS);
 }
 
@@ -346,6 +379,10 @@ void Supervisor::HandleDeadlines(Clock::time_point now, std::vector<Event>& even
     }
   }
   if (dump_done_at_ && now >= *dump_done_at_) Terminate(now);
+  if (abandon_until_ && now >= *abandon_until_) {  // the ranks not kept by now are stopped
+    abandon_until_.reset();
+    Terminate(now);
+  }
   if (kill_at_ && now >= *kill_at_) {
     kill_at_.reset();
     sigkill_sent_ = true;
@@ -362,7 +399,7 @@ int Supervisor::MillisecondsToNextDeadline(Clock::time_point now, std::optional<
   auto consider = [&next](const std::optional<Clock::time_point>& deadline) {
     if (deadline && (!next || *deadline < *next)) next = deadline;
   };
-  for (const auto& deadline : {timeout_at_, dump_done_at_, kill_at_, return_at}) consider(deadline);
+  for (const auto& deadline : {timeout_at_, dump_done_at_, kill_at_, abandon_until_, return_at}) consider(deadline);
   for (const auto& rank : ranks_) {
     if (rank.exit) continue;
     consider(rank.out->show_held_at);
