@@ -18,6 +18,7 @@ from .._spec.program import RankProgram
 from .._spec.spec import CallSpec, Options
 from .._tracking import hook as tracking
 from ..backends.local import KEEPER, spares
+from ..backends.local.survivors import Survivors
 from ..backends.rank_env import RANK_DEFAULTS
 from . import goodput, gpu_locks, records, run as attempt_run, stall_outcome
 from .preflight import preflight
@@ -58,6 +59,8 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records
     if restarts_warm:
         # A restart takes spares whose imports are done: they start now, while the first attempt runs.
         spares.POOL.fill_soon(spec.plan.world_size, KEEPER, RANK_DEFAULTS)
+    # The ranks a failed attempt keeps in their processes for the next (restarts that keep the processes).
+    survivors = Survivors() if restarts_warm else None
     try:
         # The run's record, from here to its end: the one place where a blocking call's ends.
         with records.of_call(spec.name, spec.plan.world_size, record) as record:
@@ -67,8 +70,10 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records
                     for attempt in range(options.max_restarts + 1):
                         ledger.attempt_started()
                         try:
+                            if survivors is not None:
+                                survivors.another_follows = attempt < options.max_restarts
                             results = _attempt(spec, attempt, submission, kept, record, ledger,
-                                               warm=warm or (restarts_warm and attempt > 0))
+                                               warm=warm or (restarts_warm and attempt > 0), survivors=survivors)
                             ledger.attempt_ended()
                             return results
                         except GpuHealthError:
@@ -80,17 +85,19 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records
                                 raise
                             first_line = (str(error).splitlines() or [""])[0]
                             _say(f"attempt {attempt + 1} of {options.max_restarts + 1} failed ({type(error).__name__}: "
-                                 f"{first_line}); starting every rank again")
+                                 f"{first_line}); {_restart_plan(survivors, spec.plan.world_size)}")
                     raise AssertionError("unreachable")
             finally:
                 goodput.report(ledger.close(), record, _say)
     finally:
+        if survivors is not None:
+            survivors.drop()
         if restarts_warm and not warm:
             spares.POOL.drop()  # started for restarts alone: they do not outlive the call
 
 
 def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | None,
-             record: records.RunRecord, ledger: goodput.Ledger, *, warm: bool) -> list:
+             record: records.RunRecord, ledger: goodput.Ledger, *, warm: bool, survivors: Survivors | None) -> list:
     # The GPUs are this call's alone while it runs: a call that holds them already goes first.
     gpus = spec.gpus()
     with gpu_locks.hold(gpus, holder=repr(spec.name), on_busy=_say):
@@ -113,7 +120,21 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
                                        warm=warm, keep=kept, open_gpu_sample=tracking.gpu_sampler(gpu_indices),
                                        announce=attempt == 0, attempt=attempt,
                                        on_stall_report=stall_outcome.handler(spec.options.on_stall, paths, record),
-                                       on_ranks_ended=ledger.ranks_ended)
+                                       on_ranks_ended=ledger.ranks_ended, survivors=survivors)
+
+
+def _restart_plan(survivors: Survivors | None, world_size: int) -> str:
+    kept = survivors.ranks() if survivors is not None else []
+    if not kept:
+        return "starting every rank again"
+    replaced = [rank for rank in range(world_size) if rank not in kept]
+    return (f"keeping {_ranks_named(kept)} in {'its process' if len(kept) == 1 else 'their processes'}, "
+            f"starting {_ranks_named(replaced)} again")
+
+
+def _ranks_named(ranks: list[int]) -> str:
+    names = ", ".join(map(str, ranks))
+    return f"rank {names}" if len(ranks) == 1 else f"ranks {names}"
 
 
 def check_health(spec: CallSpec) -> health.Gate:

@@ -32,7 +32,7 @@ FLIGHT_RECORDER_ENTRIES = 256
 def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: bool = False,
         keep: KeptRanks | None = None, open_gpu_sample: Callable[[], Callable | None] | None = None,
         announce: bool = True, attempt: int = 0, on_stall_report: Callable | None = None,
-        on_ranks_ended: Callable | None = None) -> list[object]:
+        on_ranks_ended: Callable | None = None, survivors=None) -> list[object]:
     """Runs one attempt of the call in `paths`, its directory; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
 
@@ -43,7 +43,9 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
     samples the ranks' GPUs for it. `announce`: the run's id is said as it starts (its first attempt).
     `on_stall_report(report, mux)`, where the call is watched for stalls, takes each stall's report;
     `on_ranks_ended(records, failure_seen_at)` then takes every rank's last progress record and
-    when the first rank that failed was seen to end (None: none was), for the goodput ledger."""
+    when the first rank that failed was seen to end (None: none was), for the goodput ledger.
+    `survivors`: where the call may restart, the ranks the last failed attempt kept in their
+    processes (backends/local/survivors.py), and this attempt's, should it fail."""
     plan = spec.plan
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -76,7 +78,8 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
             launch = Launch(call=spec, paths=paths,
                             env={**os.environ, **first_attempt, **mux.rank_env, **(_progress_env() if watched else {}),
                                  **extra_env},
-                            wakeup_fd=wakeup.read_fd, warm=warm, keep=keep, added=frozenset(extra_env))
+                            wakeup_fd=wakeup.read_fd, warm=warm, keep=keep, survivors=survivors,
+                            added=frozenset(extra_env))
             ranks = backends.for_plan(plan).start(launch)
             mux.started()
             running_calls.add(paths, ranks, local=plan.backend == "local")

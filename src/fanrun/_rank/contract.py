@@ -40,6 +40,12 @@ ENVELOPE_KINDS = ("exception", "exit", "result")
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 # Sent by the stall watch to gather a rank's stacks into forensics_stacks_name(rank) instead.
 FORENSICS_SIGNAL = signal.SIGRTMIN + 4
+# Sent by the engine, after another rank's failure, to a rank whose call may restart in the same
+# process (ENV_KEEP_SURVIVORS): it abandons its call and waits for the next attempt (_rank/abandon.py).
+ABANDON_SIGNAL = signal.SIGRTMIN + 5
+# Sent by a rank to its own main thread alone, to end a blocking call (a sleep, a wait for a batch)
+# there, so that the exception ABANDON_SIGNAL asks for is raised at once (_rank/abandon.py).
+ABANDON_WAKE_SIGNAL = signal.SIGRTMIN + 6
 
 
 def panel_metrics_name(rank: int) -> str:
@@ -115,6 +121,9 @@ ENV_MAX_RESTARTS = "FANRUN_MAX_RESTARTS"  # how many restarts the call allows
 ENV_PANEL_METRICS = "FANRUN_PANEL_METRICS"  # "1": the caller's panel plots the metrics the rank logs
 ENV_PROGRESS = "FANRUN_PROGRESS"  # "1": the rank keeps its progress record and answers forensics (progress.py)
 ENV_KEEP_ALIVE = "FANRUN_KEEP_ALIVE"  # "1": a spare rank that ends its call well stays for the next (CONTROL_KEPT)
+# "1": a spare rank whose attempt fails (its own failure or another rank's, ABANDON_SIGNAL) stays
+# for the next attempt, unless its process is no longer fit for one (_rank/abandon.py)
+ENV_KEEP_SURVIVORS = "FANRUN_KEEP_SURVIVORS"
 
 # The control channel: a pipe at this descriptor in every rank, one message a line.
 CONTROL_FD = 3

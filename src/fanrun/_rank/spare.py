@@ -10,6 +10,7 @@ worker, importing only the standard library besides what it preloads."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -25,6 +26,11 @@ def bootstrap_code() -> str:
 
 
 def main() -> None:
+    here = os.path.dirname(__file__)
+    # Before any import starts a thread (abandon.py): the restarts that keep the processes.
+    abandon = runpy.run_path(os.path.join(here, "abandon.py"))["Abandon"](_contract["ABANDON_SIGNAL"],
+                                                                             _contract["ABANDON_WAKE_SIGNAL"])
+    abandon.install()
     sys.path[:] = json.loads(sys.argv[1])
     for name in filter(None, sys.argv[2].split(",")):
         try:
@@ -32,7 +38,6 @@ def main() -> None:
         except BaseException:  # noqa: B036 - the rank imports it again, and fails there as a cold rank would
             pass
     _tell(_contract["SPARE_READY"])
-    here = os.path.dirname(__file__)
     worker = runpy.run_path(os.path.join(here, "worker.py"))
     keep = None
     while True:
@@ -40,6 +45,7 @@ def main() -> None:
         if call is None:
             return  # the caller let it go without another call
         cwd, argv, env, stdout, stderr = call
+        abandon.call_began()
         os.dup2(stdout, 1)
         os.dup2(stderr, 2)
         os.close(stdout)
@@ -52,10 +58,34 @@ def main() -> None:
             sys.exit(f"fanrun: a spare rank runs fanrun's worker, not {argv!r}")
         sys.argv = ["-c", *argv[4:]]
         kept = os.environ.get(_contract["ENV_KEEP_ALIVE"]) == "1"
-        if kept and keep is None:
+        survives = os.environ.get(_contract["ENV_KEEP_SURVIVORS"]) == "1"
+        if (kept or survives) and keep is None:
             keep = runpy.run_path(os.path.join(here, "keep.py"))
             keep["adopt_orphans"]()
-        worker["main"]()  # a call that fails exits here
+        obstacle = None
+        try:
+            worker["main"](abandon if survives else None)  # a call that fails exits here, unless it survives
+            abandoned = False
+        except BaseException:
+            error, said_failed = worker["take_ended_by"]()
+            if not survives or not (said_failed or abandon.requested()):
+                raise
+            abandoned = True
+            obstacle = abandon.leave_call(error)
+            del error
+        if abandoned:
+            # Out of the handler, where nothing holds the error's frames, and with them the process
+            # group that torch ends once nothing refers to it (its gloo threads with it).
+            gc.collect()
+            obstacle = obstacle or keep["obstacle"]() or keep["end_descendants"]()
+            if obstacle is not None:
+                print(f"fanrun: rank {os.environ.get('RANK')} ends instead of taking the next attempt: {obstacle}",
+                      file=sys.stderr, flush=True)
+                sys.exit(1)
+            keep["release_output"]()
+            _tell(_contract["CONTROL_KEPT"])
+            keep["tidy"]()
+            continue
         if not kept:
             return
         keep["end_process_group"]()

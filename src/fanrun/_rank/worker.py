@@ -49,6 +49,11 @@ _flush_metrics = None
 # progress.py's globals, loaded once per process: the torch functions it times keep calling into
 # them, call after call of a kept rank.
 _progress = None
+# The error this call ended with, where it ended by one: the function's, or the abandon signal's
+# (_rank/abandon.py), which a spare rank that may restart in its process reads.
+_last_error = None
+# Whether this call said CONTROL_FAILED.
+_said_failed = False
 
 
 def bootstrap_code() -> str:
@@ -56,11 +61,12 @@ def bootstrap_code() -> str:
     return f"import runpy; runpy.run_path({__file__!r})['main']()"
 
 
-def main() -> None:
+def main(abandon=None) -> None:
     """Runs the call of sys.argv and os.environ; once per process, or once per call of a rank
-    kept between calls (_rank/spare.py)."""
-    global _exit_status, _handlers_installed, _flush_metrics, _progress
-    _exit_status, _flush_metrics = 1, None
+    kept between calls (_rank/spare.py). `abandon`: where the rank may restart in its process,
+    its Abandon (_rank/abandon.py), which the function runs armed with."""
+    global _exit_status, _handlers_installed, _flush_metrics, _progress, _last_error, _said_failed
+    _exit_status, _flush_metrics, _last_error, _said_failed = 1, None, None, False
     if not _handlers_installed:
         _handlers_installed = True
         # Registered first, so that it runs last, after every handler the function registers.
@@ -88,7 +94,7 @@ def main() -> None:
             _progress = _sibling("progress.py")
         _progress["install"](str(run_dir), rank)
     if mode == "function":
-        _run_function(run_dir, rank)
+        _run_function(run_dir, rank, abandon)
     else:
         _run_program(mode, sys.argv[2], sys.argv[3:], run_dir, rank)
     # Tracking's hook, where this call never imported mlflow, must not wait for the next call.
@@ -124,7 +130,15 @@ def _exit_before_teardown() -> None:
     os._exit(_exit_status)
 
 
-def _run_function(run_dir: Path, rank: int) -> None:
+def take_ended_by() -> tuple[BaseException | None, bool]:
+    """The error the last call ended with, no longer held here, and whether it said CONTROL_FAILED."""
+    global _last_error
+    error, _last_error = _last_error, None
+    return error, _said_failed
+
+
+def _run_function(run_dir: Path, rank: int, abandon) -> None:
+    global _last_error
     with _open_payload(run_dir) as payload:
         header = pickle.load(payload)
         sys.path[:] = header["sys_path"]
@@ -134,18 +148,29 @@ def _run_function(run_dir: Path, rank: int) -> None:
             _fail(run_dir, rank, "exception", error)
     _mark("began_at")
     try:
-        result = fn(*args, **kwargs)
-    except SystemExit as error:
-        if error.code not in (None, 0):
-            _mark("failed_at")
-            _fail(run_dir, rank, "exit", error)
-        result = None
+        if abandon is None:
+            result = fn(*args, **kwargs)
+        else:
+            with abandon.armed():
+                result = fn(*args, **kwargs)
     except BaseException as error:
-        _mark("failed_at")
-        _fail(run_dir, rank, "exception", error)
+        if abandon is None or not abandon.requested():
+            result = _function_failed(run_dir, rank, error)
+        else:  # another rank failed first: this one is told so, and reports nothing of its own
+            _mark("failed_at")
+            _last_error = error
+            raise
     _mark("ended_at")
     _send_pending_metrics()
     _send_result(run_dir, rank, result)
+
+
+def _function_failed(run_dir: Path, rank: int, error: BaseException) -> object:
+    """What the function's exception makes of the call: None for sys.exit(0), else its failure."""
+    if isinstance(error, SystemExit) and error.code in (None, 0):
+        return None
+    _mark("failed_at")
+    _fail(run_dir, rank, "exit" if isinstance(error, SystemExit) else "exception", error)
 
 
 def _mark(field: str) -> None:
@@ -243,7 +268,8 @@ def _send_result(run_dir: Path, rank: int, result: object) -> None:
 
 def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type: str = "") -> None:
     """Writes the error envelope, tells the engine at once, and exits with the error's status (1, or sys.exit's code)."""
-    global _exit_status
+    global _exit_status, _last_error, _said_failed
+    _last_error = error
     envelope = {
         "kind": kind,  # "exception", "exit" (sys.exit with a code), "result" (unpicklable return)
         "rank": rank,
@@ -273,6 +299,7 @@ def _fail(run_dir: Path, rank: int, kind: str, error: BaseException, result_type
         pickle.dump(envelope, out, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(tmp, path)
     _send_pending_metrics()
+    _said_failed = True
     _tell_engine(_FAILED)
     code = envelope["exit_code"] if isinstance(envelope["exit_code"], int) else 1
     _exit_status = code or 1

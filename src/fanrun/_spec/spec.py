@@ -105,6 +105,9 @@ class Launch:
     # keep_alive: the ranks the function's last call kept, and where this call's ranks are kept
     # once it ends well (backends/local/spares.py's KeptRanks, which only that backend reads).
     keep: Any = None
+    # A call that may restart: the ranks of the last failed attempt that survived it, and where
+    # this attempt's survivors go if it fails (backends/local/survivors.py, which only that backend reads).
+    survivors: Any = None
     # The variables of `env` that the call sets itself (a workload's env_variables, tracking's):
     # a cluster's ranks get them whatever their names.
     added: frozenset[str] = frozenset()

@@ -13,8 +13,9 @@ from ... import _core
 from ..._accelerators import Plan
 from . import spares as spare_ranks
 from .rendezvous import Rendezvous
+from .survivors import Survivors
 from ..._rank import contract
-from ..._rank.contract import STACK_DUMP_SIGNAL
+from ..._rank.contract import ABANDON_SIGNAL, STACK_DUMP_SIGNAL
 from .. import stack_dump
 from ..base import KILL_GRACE_S, STACK_DUMP_WAIT_S, Launch
 from ..rank_env import RANK_DEFAULTS, NodeLayout, flatten, rank_environment
@@ -31,6 +32,9 @@ class LocalBackend:
         plan = launch.plan
         rendezvous = Rendezvous(host_store=launch.program.python)
         keep = launch.keep if launch.expect_done else None  # a function's ranks alone take further calls
+        # A function's ranks alone restart in their processes, and only where each is a spare.
+        survivors = launch.survivors if launch.expect_done and launch.program.python else None
+        survive = survivors is not None and survivors.another_follows
         try:
             envs = [
                 flatten(rank_environment(launch.env, NodeLayout.single(plan), rank, rendezvous.environment(), launch.paths))
@@ -39,6 +43,9 @@ class LocalBackend:
             if keep is not None:
                 for env in envs:
                     env.append(f"{contract.ENV_KEEP_ALIVE}=1")
+            if survive:
+                for env in envs:
+                    env.append(f"{contract.ENV_KEEP_SURVIVORS}=1")
             cwd = os.getcwd()
             options = _core.SupervisorOptions(
                 ranks=[_core.RankOptions(argv=launch.program.argv, env=env, cwd=cwd, log_path=str(launch.paths.log(rank)))
@@ -50,10 +57,11 @@ class LocalBackend:
                 stack_dump_wait_s=STACK_DUMP_WAIT_S,
                 wakeup_fd=launch.wakeup_fd,
                 expect_done=launch.expect_done,
+                abandon_signal=int(ABANDON_SIGNAL) if survive else 0,
             )
             rendezvous.release_port_for_ranks()
             warm = launch.warm and launch.program.python
-            spares = _spares_for(plan, keep, warm)
+            spares = _spares_for(plan, keep, warm, survivors)
             try:
                 supervisor = _core.Supervisor.start(options, spares=spares)
             except Exception:
@@ -62,25 +70,34 @@ class LocalBackend:
                 # A spare ended between its check and its call (killed from outside): the call
                 # starts afresh, and what a fresh start cannot do is the error.
                 spare_ranks.POOL.drop()
-                supervisor = _core.Supervisor.start(options, spares=_spares_for(plan, keep, warm=False))
+                supervisor = _core.Supervisor.start(options, spares=_spares_for(plan, keep, False, survivors))
         except BaseException:
             rendezvous.close()
             raise
         return LocalRanks(supervisor, rendezvous, refill=plan.world_size if warm and keep is None else 0,
-                          keep=keep, keep_key=_keep_key(plan))
+                          keep=keep, keep_key=_keep_key(plan), survivors=survivors if survive else None)
 
 
-def _spares_for(plan: Plan, keep: spare_ranks.KeptRanks | None, warm: bool) -> list:
-    """The spares a call's ranks become: with keep_alive, the ones the last call kept, else spares
-    started now (a kept rank is one that was a spare), from the warm pool first where the call is
-    warm; without, the warm pool's."""
-    if keep is None:
+def _spares_for(plan: Plan, keep: spare_ranks.KeptRanks | None, warm: bool, survivors: Survivors | None) -> list:
+    """The spares a call's ranks become. After a failed attempt, the ranks that survived it, at
+    their ranks, and spares for the others. With keep_alive, the ones the last call kept, else
+    spares started now (a kept rank, or a survivor, is one that was a spare), from the warm pool
+    first where the call is warm; without either, the warm pool's."""
+    if survivors is not None:
+        held = survivors.take(plan.world_size)
+        if any(spare is not None for spare in held):
+            others = iter(_started(held.count(None), warm=True))  # a restart's spares started ahead (call.py)
+            return [spare if spare is not None else next(others) for spare in held]
+    elif keep is None:
         return spare_ranks.POOL.take(plan.world_size) if warm else []
-    kept = keep.take(_keep_key(plan))
-    if kept:
-        return kept
-    spares = spare_ranks.POOL.take(plan.world_size) if warm else []
-    return spares + spare_ranks.POOL.start(plan.world_size - len(spares), KEEPER, RANK_DEFAULTS)
+    kept = keep.take(_keep_key(plan)) if keep is not None else []
+    return kept or _started(plan.world_size, warm)
+
+
+def _started(count: int, warm: bool) -> list:
+    """`count` spares: from the warm pool first where the call is warm, the rest started now."""
+    spares = spare_ranks.POOL.take(count) if warm else []
+    return spares + spare_ranks.POOL.start(count - len(spares), KEEPER, RANK_DEFAULTS)
 
 
 def _keep_key(plan: Plan) -> tuple:
@@ -92,12 +109,13 @@ class LocalRanks:
     """The engine's supervisor of this machine's ranks, and the rendezvous they meet at."""
 
     def __init__(self, supervisor, rendezvous: Rendezvous, refill: int, keep: spare_ranks.KeptRanks | None,
-                 keep_key: tuple) -> None:
+                 keep_key: tuple, survivors: Survivors | None) -> None:
         self._supervisor = supervisor
         self._rendezvous = rendezvous
         self._refill = refill
         self._keep = keep
         self._keep_key = keep_key
+        self._survivors = survivors
         self.world_size = supervisor.world_size
         self.failure = None  # every end of a local run is a rank's
 
@@ -136,6 +154,10 @@ class LocalRanks:
 
     def close(self) -> None:
         self._rendezvous.close()
+        if self._survivors is not None:
+            if self._supervisor.stop_reason == _core.StopReason.RANK_FAILED:
+                self._survivors.keep(self._supervisor.release_survivors())
+            self._supervisor.kill_and_reap()  # the rank whose failure started it, kept till now
         if self._keep is not None:
             kept = self._supervisor.release_kept()  # none unless the call ended well
             if kept:

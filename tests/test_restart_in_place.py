@@ -1,0 +1,113 @@
+"""Restarts that keep the processes (max_restarts): when a rank fails, the others abandon the
+attempt in their processes (their process group aborted), the failed rank is replaced by a
+spare, and the function is called again in the survivors, which resume from the checkpoint.
+Real ranks, gloo on CPU; conftest proves that nothing is left running after each test."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from processes import alive, wait_gone
+
+import fanrun
+from fanrun import distributed
+
+STEPS = 8
+
+
+def train(directory: str, fail_at: int, how: str):
+    """STEPS steps: each adds step + 1 to a weight through an all-reduce, and rank 0 checkpoints
+    it after every step. On the first attempt rank 1 fails after step `fail_at`, killed by
+    SIGKILL or by raising. Returns the weight, this process's pid and the steps this attempt did."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["FANRUN_RESTART_COUNT"])
+    checkpoint = os.path.join(directory, "checkpoint.pt")
+    weight, start = torch.zeros(1), 0
+    if os.path.exists(checkpoint):
+        state = torch.load(checkpoint)
+        weight, start = state["weight"], state["step"]
+    with open(os.path.join(directory, f"pid-{rank}-{attempt}"), "w") as out:
+        out.write(str(os.getpid()))
+    for step in range(start, STEPS):
+        update = torch.tensor([float(step + 1)])
+        dist.all_reduce(update)
+        weight += update / dist.get_world_size()
+        if rank == 0:
+            torch.save({"weight": weight, "step": step + 1}, checkpoint + ".tmp")
+            os.replace(checkpoint + ".tmp", checkpoint)
+        dist.barrier()  # the checkpoint is written before any rank fails
+        if attempt == 0 and rank == 1 and step + 1 == fail_at:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"rank 1 fails after step {fail_at}")
+    dist.destroy_process_group()
+    return float(weight), os.getpid(), STEPS - start, os.environ["FANRUN_RUN_ID"]
+
+
+def pids(directory, world_size: int, attempt: int) -> list[int]:
+    return [int((directory / f"pid-{rank}-{attempt}").read_text()) for rank in range(world_size)]
+
+
+@pytest.mark.parametrize("how, world_size", [("kill", 3), ("raise", 2)])
+def test_the_ranks_that_did_not_fail_keep_their_processes_and_resume_from_the_checkpoint(tmp_path, capfd, how,
+                                                                                         world_size):
+    fail_at = 3
+    started = time.time()
+    results = distributed(num_accelerators=world_size, max_restarts=1)(train).distributed(str(tmp_path), fail_at, how)
+    wall_s = time.time() - started
+    first, second = pids(tmp_path, world_size, 0), pids(tmp_path, world_size, 1)
+    # Every step is in the final model once: the weight is 1 + 2 + ... + STEPS on every rank.
+    assert [weight for weight, *_ in results] == [STEPS * (STEPS + 1) / 2] * world_size
+    # The second attempt resumed from the checkpoint after step fail_at, and did the rest alone.
+    assert [steps for _, _, steps, _ in results] == [STEPS - fail_at] * world_size
+    survivors = [rank for rank in range(world_size) if rank != 1]
+    assert [second[rank] for rank in survivors] == [first[rank] for rank in survivors]
+    assert second[1] != first[1] and [pid for _, pid, _, _ in results] == second
+    err = capfd.readouterr().err
+    kept = "rank 0 in its process" if world_size == 2 else "ranks 0, 2 in their processes"
+    assert f"; keeping {kept}, starting rank 1 again\n" in err, err
+    # The failed rank's process is gone; the survivors end with the call (they were its spares).
+    assert wait_gone([first[1]], timeout=10) == []
+    assert wait_gone(second, timeout=10) == []
+    # The goodput ledger adds up to the call's wall time, and counts the restart.
+    ledger = fanrun.Run(results[0][3]).goodput
+    assert ledger is not None and ledger.attempts == 2
+    assert sum(ledger.parts.values()) == pytest.approx(ledger.wall_s, abs=1e-6)
+    # Measured around the call, the wall time also holds what precedes the ledger (the plan, the payload).
+    assert ledger.wall_s == pytest.approx(wall_s, rel=0.01, abs=0.15) and ledger.parts["restart"] > 0
+
+
+def leave_a_thread(directory: str):
+    """On the first attempt rank 0 starts a thread that outlives the function, and rank 1 fails."""
+    import threading
+
+    attempt = int(os.environ["FANRUN_RESTART_COUNT"])
+    if attempt == 0 and os.environ["RANK"] == "0":
+        threading.Thread(target=time.sleep, args=(3600,), name="left-behind").start()
+    with open(os.path.join(directory, f"pid-{os.environ['RANK']}-{attempt}"), "w") as out:
+        out.write(str(os.getpid()))
+    if attempt == 0 and os.environ["RANK"] == "0":
+        time.sleep(3600)  # until the abandon signal
+    if attempt == 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(directory, "pid-0-0")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 0 is in its function, and its thread runs, before this one fails
+        raise RuntimeError("rank 1 fails")
+    return os.getpid()
+
+
+def test_a_rank_whose_function_left_a_thread_running_is_replaced_too(tmp_path, capfd):
+    results = distributed(num_accelerators=2, max_restarts=1)(leave_a_thread).distributed(str(tmp_path))
+    first = pids(tmp_path, 2, 0)
+    assert results == pids(tmp_path, 2, 1) and results[0] != first[0] and results[1] != first[1]
+    err = capfd.readouterr().err
+    assert "rank 0 ends instead of taking the next attempt: threads the function started still run (left-behind)" in err
+    assert "; starting every rank again\n" in err
+    assert not any(alive(pid) for pid in first)
