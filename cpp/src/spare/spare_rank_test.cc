@@ -132,6 +132,19 @@ class SpareRankTest : public testing::SupervisorFixture {
     }
     return spares;
   }
+
+  // A "deaf" rank 0 beside a failing rank 1, under `options`: rank 0 is stopped by SIGTERM, and
+  // neither rank survives.
+  static void ExpectTheDeafRankStoppedAndNoneSurvives(SupervisorOptions options, std::vector<SpareRank> spares) {
+    ASSERT_EQ(spares.size(), 2u);
+    auto supervisor = Supervisor::Start(std::move(options), std::move(spares));
+    ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
+    RunToEnd(**supervisor);
+    EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
+    auto survivors = (*supervisor)->ReleaseSurvivors();
+    ASSERT_TRUE(survivors.ok()) << survivors.status().message();
+    EXPECT_FALSE((*survivors)[0] || (*survivors)[1]);
+  }
 };
 
 TEST_F(SpareRankTest, BecomesTheRankItIsHandedWithItsOutputDirectoryAndEnvironment) {
@@ -300,30 +313,14 @@ TEST_F(SpareRankTest, AfterAFailureTheOtherRanksAbandonTheCallAndSurviveForTheNe
 }
 
 TEST_F(SpareRankTest, ARankThatDoesNotAbandonItsCallInTimeIsStopped) {
-  std::vector<SpareRank> spares = StartKept(2, kSurvivorProgram);
-  ASSERT_EQ(spares.size(), 2u);
   auto options = Options({"deaf", "fail"});
   options.abandon_signal = SIGUSR1;
   options.kill_grace_s = 0.3;
-  auto supervisor = Supervisor::Start(options, std::move(spares));
-  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
-  RunToEnd(**supervisor);
-  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
-  auto survivors = (*supervisor)->ReleaseSurvivors();
-  ASSERT_TRUE(survivors.ok()) << survivors.status().message();
-  EXPECT_FALSE((*survivors)[0] || (*survivors)[1]);
+  ExpectTheDeafRankStoppedAndNoneSurvives(std::move(options), StartKept(2, kSurvivorProgram));
 }
 
 TEST_F(SpareRankTest, WithoutAnAbandonSignalAFailureStopsEveryRankAndNoneSurvives) {
-  std::vector<SpareRank> spares = StartKept(2, kSurvivorProgram);
-  ASSERT_EQ(spares.size(), 2u);
-  auto supervisor = Supervisor::Start(Options({"deaf", "fail"}), std::move(spares));
-  ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
-  RunToEnd(**supervisor);
-  EXPECT_EQ((*supervisor)->exit_status(0)->term_signal, SIGTERM);
-  auto survivors = (*supervisor)->ReleaseSurvivors();
-  ASSERT_TRUE(survivors.ok()) << survivors.status().message();
-  EXPECT_FALSE((*survivors)[0] || (*survivors)[1]);
+  ExpectTheDeafRankStoppedAndNoneSurvives(Options({"deaf", "fail"}), StartKept(2, kSurvivorProgram));
 }
 
 TEST_F(SpareRankTest, AnAbandonSignalThatIsNoSignalIsRefused) {
