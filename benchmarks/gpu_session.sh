@@ -3,7 +3,7 @@
 # parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
 # given as wheels in .whl/.
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
-#   [checkpoint-tests] [checkpoint] [results] [stall] [health]
+#   [checkpoint-tests] [checkpoint] [results] [stall] [health] [restart]
 # On eight GPUs:
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
 # DRY_RUN=1 prints each step's command instead of running it, and installs nothing (the tests
@@ -72,6 +72,8 @@ for part in $parts; do
     results) FANRUN_TRACKING=0 step results 300 python3 benchmarks/results.py --device cuda --ranks ${RESULT_RANKS:-2} ;;
     # Stalls: the verdict's latency at fanrun's default stall timeout, watching's cost, torch's own timeout.
     stall) FANRUN_TRACKING=0 step stall 560 python3 benchmarks/stall.py --device cuda --ranks ${STALL_RANKS:-1} ${STALL_ARGS:-} ;;
+    # From a rank's death to the next attempt's first step: fanrun keep and fresh, torchrun --max-restarts.
+    restart) FANRUN_TRACKING=0 step restart 300 python3 benchmarks/restart.py --ranks ${RESTART_RANKS:-1} --repeat ${REPEAT:-3} ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done

@@ -84,6 +84,22 @@ def test_the_ranks_that_did_not_fail_keep_their_processes_and_resume_from_the_ch
     assert ledger.wall_s == pytest.approx(wall_s, rel=0.01, abs=0.15) and ledger.parts["restart"] > 0
 
 
+def test_restart_fresh_starts_every_rank_in_a_new_process(tmp_path, capfd):
+    results = distributed(num_accelerators=2, max_restarts=1, restart="fresh")(train).distributed(str(tmp_path), 3,
+                                                                                                   "raise")
+    first, second = pids(tmp_path, 2, 0), pids(tmp_path, 2, 1)
+    assert [weight for weight, *_ in results] == [STEPS * (STEPS + 1) / 2] * 2
+    assert not set(first) & set(second) and [pid for _, pid, _, _ in results] == second
+    assert "; starting every rank again\n" in capfd.readouterr().err
+    assert wait_gone(first + second, timeout=10) == []
+
+
+@pytest.mark.parametrize("value", ["in_place", None, True])
+def test_a_restart_that_is_neither_keep_nor_fresh_is_refused_when_decorating(value):
+    with pytest.raises(ValueError, match=r"restart must be one of 'keep', 'fresh'.*not " + repr(value)):
+        distributed(max_restarts=1, restart=value)
+
+
 def leave_a_thread(directory: str):
     """On the first attempt rank 0 starts a thread that outlives the function, and rank 1 fails."""
     import threading

@@ -819,7 +819,7 @@ def test_a_call_that_restarts_is_one_run_with_each_attempt_nested_under_it(sqlit
     assert sorted(runs) == [name] + [f"{name}-attempt-{number}" for number in (1, 2, 3)]
     parent = runs[name]
     assert parent.info.status == "FINISHED" and parent.data.tags["fanrun.attempts"] == "3"
-    assert parent.data.params["fanrun.max_restarts"] == "2"
+    assert parent.data.params["fanrun.max_restarts"] == "2" and parent.data.params["fanrun.restart"] == "keep"
     assert client.get_metric_history(parent.info.run_id, "attempt") == []  # the ranks log on their attempt's run
     for number in (1, 2, 3):
         attempt = runs[f"{name}-attempt-{number}"]

@@ -17,7 +17,7 @@ from ._spec import payload as _payload
 from ._spec.display import check_display
 from ._spec.health import DEFAULT_HEALTH, check_health
 from ._spec.program import RankProgram
-from ._spec.spec import DEFAULT_STALL_WARNING_S, DEFAULT_TIMEOUT_S, Options
+from ._spec.spec import DEFAULT_STALL_WARNING_S, DEFAULT_TIMEOUT_S, RESTARTS, Options
 from ._spec.stall import check_stall
 from ._tracking import caller as call_tracking
 from .backends.local import spares
@@ -81,6 +81,7 @@ def distributed(
     keep_alive: bool = False,
     detach: bool = False,
     max_restarts: int = 0,
+    restart: str = "keep",
     display: str | None = None,
     stall_warning: float | None = DEFAULT_STALL_WARNING_S,
     stall_timeout: float | None = None,
@@ -114,9 +115,13 @@ def distributed(
     results and a fresh random seed. A failed call ends them; so do 10 idle minutes, the end of
     this process, and ``fanrun.cooldown()``.
 
-    ``max_restarts=N``: when an attempt fails (a rank raised, was killed, or timed out), every
-    rank starts again, N times at most; each attempt's ranks see ``FANRUN_RESTART_COUNT`` (and
-    torchrun's ``TORCHELASTIC_RESTART_COUNT``), so that they can resume from a checkpoint.
+    ``max_restarts=N``: when an attempt fails (a rank raised, was killed, or timed out), the call
+    starts again, N times at most; each attempt's ranks see ``FANRUN_RESTART_COUNT`` (and
+    torchrun's ``TORCHELASTIC_RESTART_COUNT``), so that they can resume from a checkpoint. With
+    ``restart="keep"`` (the default) the ranks that did not fail abandon the attempt (their process
+    group aborted) and are called again in their processes, with their imports and CUDA context;
+    the failed rank, and any left unfit (a CUDA error, threads it cannot end), is replaced by a new
+    process (docs/restarts.md). ``restart="fresh"`` starts every rank in a new process.
 
     ``detach=True`` makes ``.distributed()`` return a ``fanrun.Run`` at once: the call runs in a
     process of its own, which goes on when this one ends. ``fanrun.attach(run_id)`` finds it again
@@ -185,6 +190,7 @@ def distributed(
         keep_alive=keep_alive,
         detach=detach,
         max_restarts=_check_restarts(max_restarts),
+        restart=_check_restart(restart),
         **check_display(display, stall_warning),
         **check_stall(stall_timeout, on_stall),
         **check_health(health, exclude_unhealthy),
@@ -243,6 +249,14 @@ def _check_restarts(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"max_restarts must be a whole number of restarts, 0 or more, not {value!r}")
     return int(value)
+
+
+def _check_restart(value: Any) -> str:
+    if value not in RESTARTS:
+        raise ValueError(f"restart must be one of {', '.join(map(repr, RESTARTS))}: \"keep\" calls the function "
+                         f"again in the processes of the ranks that did not fail, \"fresh\" starts every rank anew; "
+                         f"not {value!r}")
+    return value
 
 
 def _check_timeout(value: Any) -> float | None:

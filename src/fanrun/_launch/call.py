@@ -60,7 +60,7 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records
         # A restart takes spares whose imports are done: they start now, while the first attempt runs.
         spares.POOL.fill_soon(spec.plan.world_size, KEEPER, RANK_DEFAULTS)
     # The ranks a failed attempt keeps in their processes for the next (restarts that keep the processes).
-    survivors = Survivors() if restarts_warm else None
+    survivors = Survivors() if restarts_warm and options.restart == "keep" else None
     try:
         # The run's record, from here to its end: the one place where a blocking call's ends.
         with records.of_call(spec.name, spec.plan.world_size, record) as record:

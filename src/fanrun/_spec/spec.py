@@ -18,6 +18,9 @@ DEFAULT_STALL_WARNING_S = 300.0
 # How the ranks' output shows: one live panel, every line labelled by rank, or nothing (the run's
 # log files keep it all). None: the panel in a notebook, logs elsewhere.
 DISPLAYS = ("panel", "logs", "quiet")
+# How a restart (max_restarts) treats the ranks that did not fail: "keep" calls the function again
+# in their processes, "fresh" starts every rank in a new one.
+RESTARTS = ("keep", "fresh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +51,10 @@ class Options:
     keep_alive: bool = False
     # The call goes on in a process of its own (_detached/), and its door returns a fanrun.Run at once.
     detach: bool = False
-    # A failed attempt starts every rank again, this many times at most.
+    # A failed attempt starts again, this many times at most: in the processes of the ranks that
+    # did not fail ("keep"), or with every rank in a new one ("fresh"); RESTARTS.
     max_restarts: int = 0
+    restart: str = "keep"
     # The MLflow run's name (a workload's mlflow_run_name); None: the function's name and a random part.
     run_name: str | None = None
     # How the ranks' output shows (DISPLAYS); the panel flags a rank quiet for stall_warning seconds.

@@ -214,6 +214,7 @@ class _CallRun:
         params = _parameters(function_name, plan, options)
         if role == "submission":
             params["fanrun.max_restarts"] = str(options.max_restarts)
+            params["fanrun.restart"] = options.restart
         if submission is not None:
             parent = submission.run._call
             run_name, parent_id = f"{parent['run_name']}-attempt-{submission.attempts}", None
