@@ -29,8 +29,8 @@ constexpr size_t kMostGatheredBytes = 1 << 20;
 // its peers' collectives fail with "connection reset" at once, often before the killed rank's
 // keeper has reported the death. A death by a signal the supervisor did not send, seen this soon
 // after the first failure, is the root cause instead. (On a loaded 2-core machine the report
-// came more than 1 s after a peer's.)
-constexpr double kPeerFailureWindowS = 3.0;
+// came more than 1 s after a peer's, and once more than 3 s.)
+constexpr double kPeerFailureWindowS = 6.0;
 
 // What a descriptor that Wait() polls stands for, besides its rank.
 enum class Watched { kExit, kStdout, kStderr, kControl };

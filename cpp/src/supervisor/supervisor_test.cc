@@ -71,8 +71,8 @@ TEST_F(SupervisorTest, ARankKilledFromOutsideJustAfterAPeersFailureIsTheRootCaus
 }
 
 TEST_F(SupervisorTest, ARankKilledFromOutsideLongAfterTheFirstFailureIsNotTheRootCause) {
-  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 3.7; kill -KILL $$; sleep 100"});
-  options.kill_grace_s = 5;
+  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 6.7; kill -KILL $$; sleep 100"});
+  options.kill_grace_s = 8;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
   RunToEnd(**supervisor);

@@ -27,7 +27,8 @@ FOLLOWER_STOP_S = 10.0
 # As within a node (the engine's supervisor): a rank killed by a signal that no supervisor sent
 # (the OOM killer's SIGKILL, a SIGSEGV), seen this soon after a rank on another node failed, is
 # the root cause, since its peers' collectives fail the moment its connections drop. The
-# supervisors' own SIGKILL comes KILL_GRACE_S after their SIGTERM, well outside this.
+# supervisors' own SIGKILL comes KILL_GRACE_S after their SIGTERM, well outside this. (A node's
+# supervisor knows the SIGKILLs it sent, and waits longer: 6 s.)
 PEER_FAILURE_WINDOW_S = 3.0
 
 
