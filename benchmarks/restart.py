@@ -163,5 +163,6 @@ def main() -> None:
         else:
             print(f"{name}/torchrun: goal at most {GOAL}x: UNKNOWN (a launcher did not restart)")
 
+
 if __name__ == "__main__":
     main()
