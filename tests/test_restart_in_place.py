@@ -127,3 +127,42 @@ def test_a_rank_whose_function_left_a_thread_running_is_replaced_too(tmp_path, c
     assert "rank 0 ends instead of taking the next attempt: threads the function started still run (left-behind)" in err
     assert "; starting every rank again\n" in err
     assert not any(alive(pid) for pid in first)
+
+
+def stop_in_an_import(directory: str):
+    """On the first attempt rank 0 imports a package whose __init__ has imported a submodule and
+    then waits, so that the abandon signal stops the import halfway; rank 1 fails meanwhile."""
+    import sys
+
+    attempt = int(os.environ["FANRUN_RESTART_COUNT"])
+    sys.path.insert(0, directory)
+    with open(os.path.join(directory, f"pid-{os.environ['RANK']}-{attempt}"), "w") as out:
+        out.write(str(os.getpid()))
+    if attempt == 0 and os.environ["RANK"] == "1":
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(directory, "importing")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise RuntimeError("rank 1 fails")
+    import halfway
+
+    return halfway.part.VALUE
+
+
+def test_a_rank_stopped_halfway_through_an_import_is_replaced(tmp_path, capfd):
+    package = tmp_path / "halfway"
+    package.mkdir()
+    (package / "part.py").write_text("VALUE = 42\n")
+    (package / "__init__.py").write_text(
+        "import os, time\n"
+        "from halfway import part\n"
+        "if os.environ['FANRUN_RESTART_COUNT'] == '0':\n"
+        f"    open({str(tmp_path / 'importing')!r}, 'w').close()\n"
+        "    time.sleep(3600)  # until the abandon signal\n")
+    results = distributed(num_accelerators=2, max_restarts=1)(stop_in_an_import).distributed(str(tmp_path))
+    assert results == [42, 42]
+    first, second = pids(tmp_path, 2, 0), pids(tmp_path, 2, 1)
+    assert second[0] != first[0] and second[1] != first[1]
+    err = capfd.readouterr().err
+    assert ("rank 0 ends instead of taking the next attempt: it was stopped while importing halfway, "
+            "whose submodules stay imported without it") in err, err
+    assert not any(alive(pid) for pid in first)

@@ -96,7 +96,21 @@ class Abandon:
         self._abort_process_group()
         if self._abort_error is not None:
             return self._abort_error
-        return _poisoned(error)
+        return _interrupted_import(error) or _poisoned(error)
+
+
+def _interrupted_import(error: BaseException | None) -> str | None:
+    """CallAbandoned raised while a package was being imported drops the package from
+    sys.modules but leaves the submodules it had imported: the next attempt's import of it runs
+    its __init__ again, finds them imported, and never binds them to the new package, so that
+    its code fails ("partially initialized module"). Such a rank is not reused."""
+    if not isinstance(error, CallAbandoned):
+        return None
+    dropped = sorted({name.rpartition(".")[0] for name in list(sys.modules)
+                      if "." in name and name.rpartition(".")[0] not in sys.modules})
+    if not dropped:
+        return None
+    return f"it was stopped while importing {', '.join(dropped)}, whose submodules stay imported without it"
 
 
 def _poisoned(error: BaseException | None) -> str | None:
