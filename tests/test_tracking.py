@@ -835,6 +835,44 @@ def test_a_call_that_restarts_is_one_run_with_each_attempt_nested_under_it(sqlit
     assert out.count("fanrun: MLflow run ") == 1 and f"fanrun: MLflow run {name} (" in out  # the submission's alone
 
 
+@distributed(num_accelerators=2, keep_alive=True)
+def logs_in_a_kept_rank(call: int):
+    import os
+    import sys
+
+    import mlflow
+
+    mlflow.log_metric("call", call, step=call)
+    mlflow.log_param("first_call", call)  # a new run each call: never a changed param
+    # The call's run needs no store in the rank: a sqlite one would import SQLAlchemy.
+    store_opened = "sqlalchemy" in sys.modules
+    run_id = mlflow.active_run().info.run_id
+    if call == 0:
+        mlflow.start_run(run_name="left-active", nested=True)  # ended as the process's exit would end it
+    return os.getpid(), run_id, store_opened
+
+
+def test_a_kept_rank_whose_function_imports_mlflow_stays_and_logs_each_call_on_its_own_run(sqlite_store, capfd):
+    client, experiment_id = sqlite_store
+    calls = [logs_in_a_kept_rank.distributed(call) for call in range(3)]
+    fanrun.flush_tracking()
+    try:
+        assert "instead of staying" not in capfd.readouterr().err
+        assert [pid for pid, _, _ in calls[0]] == [pid for pid, _, _ in calls[2]]  # the same processes throughout
+        assert not any(store_opened for _, _, store_opened in calls[0])
+        nested = [run for run in client.search_runs([experiment_id]) if run.info.run_name == "left-active"]
+        assert [run.info.status for run in nested] == ["FINISHED"] * 2  # one a rank
+        for call, result in enumerate(calls):
+            run_ids = {run_id for _, run_id, _ in result}
+            assert len(run_ids) == 1, result
+            run = client.get_run(run_ids.pop())
+            assert run.info.status == "FINISHED" and run.data.params["first_call"] == str(call)
+            assert by_rank(client, run.info.run_id, "call") == [[(call, call)], [(call, call)]]
+            assert "first_call/rank_1" not in run.data.params  # rank 1's value is rank 0's
+    finally:
+        fanrun.cooldown()
+
+
 def test_run_id_resumes_that_run_and_start_run_with_it_nests_under_it(sqlite_store):
     client, experiment_id = sqlite_store
     earlier = client.create_run(experiment_id, run_name="earlier")

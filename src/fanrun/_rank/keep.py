@@ -194,10 +194,6 @@ def end_process_group() -> None:
 
 def obstacle() -> str | None:
     """Why this rank must end as a cold one would, rather than stay; None if it may stay."""
-    if any(name == "mlflow" or name.startswith("mlflow.") for name in sys.modules):
-        # MLflow flushes what it logged, and ends its runs, as the process exits. (Its
-        # submodules alone remain where an import of it was interrupted.)
-        return "the function imported mlflow, whose logging is complete only once the process exits"
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     if threads:
         # A cold rank's exit waits for them; a kept one would leave them running into the next call.

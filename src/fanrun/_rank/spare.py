@@ -81,6 +81,7 @@ def main() -> None:
             # Out of the handler, where nothing holds the error's frames, and with them the process
             # group that torch ends once nothing refers to it (its gloo threads with it).
             gc.collect()
+            worker["end_tracking"]()
             obstacle = obstacle or keep["obstacle"]() or keep["end_descendants"]()
             if obstacle is not None:
                 print(f"fanrun: rank {os.environ.get('RANK')} ends instead of taking the next attempt: {obstacle}",
@@ -93,6 +94,7 @@ def main() -> None:
         if not kept:
             return
         keep["end_process_group"]()
+        worker["end_tracking"]()
         # A cold rank's call ends with every process it started (its keeper kills them): so does a kept one's.
         obstacle = keep["obstacle"]() or keep["end_descendants"]()
         if obstacle is not None:

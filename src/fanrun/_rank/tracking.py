@@ -6,10 +6,11 @@ learns it only when it needs it: the first `import mlflow` connects to the socke
 names and waits for the answer, the run's identity or "not tracked"; then MLflow's variables
 are set and the import goes on. A function that never imports mlflow never asks, and never waits.
 
-The metrics a rank logs on that run go over the same socket (metric_sender.py), and the
-agent writes them to the tracking store (backends/metric_relay.py): the rank pays for an append, not for
-a store's write, which costs a local sqlite store about 0.2 ms of CPU per value and would hold
-the rank's GIL while the loop runs.
+The metrics, params and tags a rank logs on that run go over the same socket
+(metric_sender.py), and the agent writes them to the tracking store (backends/metric_relay.py):
+the rank pays for an append, not for a store's write, which costs a local sqlite store about
+0.2 ms of CPU per value and would hold the rank's GIL while the loop runs; and the rank opens
+MLflow's store only for what else the function asks of it (call_store.py).
 
 When the call is not tracked (FANRUN_MLFLOW=off, or the answer says so), what the function logs
 through MLflow goes nowhere (tracking_off.py).
@@ -83,7 +84,8 @@ class _AroundImport:
 
 
 def _before_import(how: str) -> tuple:
-    """("run", run_id, socket) for the call's run, with MLflow's variables set for it; ("relay",
+    """("run", run_id, socket, the run as JSON) for the call's run, with MLflow's variables set
+    for it; ("relay",
     run_id, socket, namespace of tracking_off.py) for that run where its store cannot be seen
     from here; ("off", namespace of tracking_off.py) when the call is not tracked, with the
     tracking URI pointed nowhere. Runs before mlflow reads its variables."""
@@ -105,7 +107,7 @@ def _before_import(how: str) -> tuple:
                     # A rank on another machine of a cluster than the caller's local store: the run
                     # is made active in the store of nowhere, and its metrics still go to the caller.
                     return "relay", answer["run_id"], channel, _point_nowhere()
-                return "run", answer["run_id"], channel
+                return "run", answer["run_id"], channel, answer.get("run")
             channel.close()
     return "off", _point_nowhere()
 
@@ -135,7 +137,8 @@ def _store_in_reach(uri: str) -> bool:
 
 def _after_import(mlflow, state: tuple) -> None:
     if state[0] == "run":
-        _activate(mlflow, *state[1:])
+        _, run_id, channel, snapshot = state
+        _activate(mlflow, run_id, channel, snapshot=snapshot)
         return
     if state[0] == "relay":
         _, run_id, channel, off = state
@@ -153,18 +156,36 @@ def _after_import(mlflow, state: tuple) -> None:
         off["install"](off["marker"](os.environ.get(_contract["ENV_RUN_DIR"], "."), DROPPED_MARKER), _panel_feed())
     except Exception as error:
         _say(f"could not turn MLflow's logging off ({type(error).__name__}: {error})")
+    # The runs MLflow started on its own for what the function logged, in the store of nowhere.
+    _undo.append(lambda: _end_runs(mlflow))
 
 
 def _say(text: str) -> None:
     print(f"fanrun: rank {os.environ.get('RANK', '?')}: {text}", file=sys.stderr, flush=True)
 
 
-def _activate(mlflow, run_id: str, channel: socket.socket, send_params: bool = True) -> None:
-    # Without this, the run would become active only at the first logging call, and
-    # mlflow.active_run() would be None until then. The run is resumed, not created: the
-    # agent made it and sets its final status once every rank has ended.
+def _activate(mlflow, run_id: str, channel: socket.socket, send_params: bool = True, snapshot: str | None = None) -> None:
+    """Makes the call's run the active one, on a store of its own (call_store.py)."""
+    call_store = runpy.run_path(os.path.join(os.path.dirname(__file__), "call_store.py"))
     try:
-        _leave_status_to_the_agent(run_id)
+        run = call_store["run_from_json"](snapshot)
+    except Exception as error:
+        _say(f"reads the call's MLflow run from the tracking store ({type(error).__name__}: {error})")
+        run = None
+    try:
+        # Rank 0's params go under their own keys: one the resumed run holds already is not changed.
+        logged = run.data.params if run is not None and not rank_suffix() else {}
+        send, keyed = _sender(channel, send_params, logged)
+    except Exception as error:
+        # The store itself still takes them: slower, nothing lost.
+        _say(f"logs its metrics straight to the tracking store ({type(error).__name__}: {error})")
+        send, keyed = None, None
+    try:
+        store = call_store["CallStore"].install(run_id, run, send, keyed)
+        _undo.append(store.uninstall)
+        # Without this, the run would become active only at the first logging call, and
+        # mlflow.active_run() would be None until then. The run is resumed, not created: the
+        # agent made it and sets its final status once every rank has ended.
         if mlflow.active_run() is None:
             mlflow.start_run(run_id=run_id)
             # As MLflow does when it resumes a run from this variable: left set, it would make
@@ -173,49 +194,41 @@ def _activate(mlflow, run_id: str, channel: socket.socket, send_params: bool = T
                 del os.environ["MLFLOW_RUN_ID"]
                 # MLflow forgets the active run in a forked child (a DataLoader worker): there the
                 # variable makes its first log_metric resume the call's run, not start a new one.
-                os.register_at_fork(after_in_child=lambda: os.environ.setdefault("MLFLOW_RUN_ID", run_id))
+                os.register_at_fork(after_in_child=lambda: _ended or os.environ.setdefault("MLFLOW_RUN_ID", run_id))
+        _undo.append(lambda: _end_runs(mlflow))
         _flush_before_thread_shutdown(mlflow)
     except Exception as error:
         _say(f"could not make MLflow run {run_id} active ({type(error).__name__}: {error}); "
              f"the function's mlflow calls may fail the same way.")
         return
-    try:
-        _send_metrics_to_caller(mlflow, run_id, channel, send_params)
-    except Exception as error:
-        # The store itself still takes them: slower, nothing lost.
-        _say(f"logs its metrics straight to the tracking store ({type(error).__name__}: {error})")
+    if send is not None:
+        _shortcut_fluent_logging(mlflow, run_id, send)
 
 
-def _leave_status_to_the_agent(call_run_id: str) -> None:
-    """Makes the store of this process leave the call's run's status and end time as they are:
-    the agent closes the run with the call's outcome, once every rank has ended. Without this, a
-    rank would write them at every start_run that resumes the run (RUNNING), at mlflow.end_run,
-    and at its exit, where MLflow's own exit handler ends the active run (FINISHED, even for a
-    rank that failed). Each such write rewrites a file store's meta.yaml in place, truncated
-    first: the agent's writes, which read it, fail while it is rewritten, and a rank stopped
-    (SIGTERM) in the middle leaves it empty, so the run can no longer be written nor read.
-    A run the function starts itself is ended as MLflow ends it; renaming the call's run still
-    renames it."""
-    from mlflow.entities import RunStatus
-    from mlflow.tracking._tracking_service.utils import _get_store
-
-    store = _get_store()
-    store_update_run_info = store.update_run_info
-
-    def update_run_info(run_id, run_status, end_time, run_name):
-        if run_id != call_run_id:
-            return store_update_run_info(run_id, run_status, end_time, run_name)
-        info = store.get_run(run_id).info
-        if not run_name:
-            return info
-        return store_update_run_info(run_id, RunStatus.from_string(info.status), info.end_time, run_name)
-
-    store.update_run_info = update_run_info
-
-
-# What flush_metrics() sends: the senders and the panel's feeds this process made, one per call its
-# function imported mlflow in.
+# What flush_metrics() sends: the sender and the panel's feed of this call, once its function
+# has imported mlflow.
 _pending_flushes: list = []
+# What end_call() undoes, last first.
+_undo: list = []
+_ended = False  # end_call() has run: what this call registered in the process does nothing more
+
+
+def end_call() -> None:
+    """For a rank that stays for another call (_rank/keep.py): what the process's exit would do
+    for this call's run, done now, and MLflow given back as this call found it. The runs the
+    function left active end, the call's run with its status left to the agent; its last
+    metrics are sent and its socket is closed; MLflow's store and logging functions are
+    MLflow's own again."""
+    global _ended
+    flush_metrics()
+    for undo in reversed(_undo):
+        try:
+            undo()
+        except Exception as error:
+            _say(f"could not end this call's MLflow run in the process ({type(error).__name__}: {error})")
+    _undo.clear()
+    _pending_flushes.clear()
+    _ended = True
 
 
 def flush_metrics() -> None:
@@ -229,18 +242,17 @@ def flush_metrics() -> None:
             pass  # the caller is gone: the run is over
 
 
-def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket, send_params: bool = True) -> None:
-    """Makes this process send the metrics of the call's run to the caller, by both ways a
-    metric reaches MLflow's store: the fluent mlflow.log_metric/log_metrics, and the store."""
-    import runpy
-
-    from mlflow.utils.validation import _validate_metric
-
+def _sender(channel: socket.socket, send_params: bool, logged: dict[str, str]) -> tuple:
+    """What sends this rank's metrics of the call's run to the caller, and (with send_params)
+    its params and tags (a _KeyedValues; `logged`: the params the run holds): (send, keyed)."""
     sender_class = runpy.run_path(os.path.join(os.path.dirname(__file__), "metric_sender.py"))["MetricSender"]
     buffer_s = float(os.environ.get("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS") or DEFAULT_BUFFER_S)
     sender = sender_class(channel, buffer_s)
     _before_thread_shutdown(sender.close)
+    _undo.append(sender.close)
     _pending_flushes.append(sender.flush)
+
+    from mlflow.utils.validation import _validate_metric
 
     feed = _panel_feed()
     suffix = rank_suffix()
@@ -255,8 +267,7 @@ def _send_metrics_to_caller(mlflow, call_run_id: str, channel: socket.socket, se
         if feed is not None:
             feed(records)  # the panel plots each rank's own series, under the names it logged
 
-    _route_store(call_run_id, send, sender.add if suffix and send_params else None)
-    _shortcut_fluent_logging(mlflow, call_run_id, send)
+    return send, _KeyedValues(sender.add, logged) if send_params else None
 
 
 def rank_suffix() -> str:
@@ -282,91 +293,19 @@ def _panel_feed():
     return feed
 
 
-def _route_store(call_run_id: str, send, send_keyed=None) -> None:
-    """MLflow's store object for the tracking URI, cached and shared by every MlflowClient, sends
-    the call's run's metrics; other runs' metrics still go to the store. On a rank other than 0
-    (`send_keyed` given), the call's run's parameters and tags go to the agent too, which puts
-    under each key rank 0's value and beside it, under `key/rank_N`, a value of this rank's that
-    differs (_tracking/rank_values.py): two ranks' values of one param would otherwise fail the
-    second rank with MLflow's "Changing param values is not allowed"."""
-    from mlflow.tracking._tracking_service.utils import _get_store
-    from mlflow.utils.async_logging.run_operations import RunOperations
-
-    store = _get_store()
-    store_log_metric, store_log_batch, store_log_batch_async = store.log_metric, store.log_batch, store.log_batch_async
-    store_log_param, store_set_tag = store.log_param, store.set_tag
-
-    def send_metrics(metrics) -> None:
-        send([(m.key, float(m.value), m.timestamp, m.step, getattr(m, "model_id", None),
-               getattr(m, "dataset_name", None), getattr(m, "dataset_digest", None)) for m in metrics])
-
-    keyed = _KeyedValues(send_keyed) if send_keyed is not None else None
-
-    def split(run_id, metrics, params, tags):
-        """Sends what goes to the caller; returns what still goes to the store."""
-        if run_id != call_run_id:
-            return metrics, params, tags
-        if metrics:
-            send_metrics(metrics)
-        if keyed is not None:
-            params, tags = keyed.send(params, tags)
-        return (), params, tags
-
-    def log_metric(run_id, metric):
-        if run_id != call_run_id:
-            return store_log_metric(run_id, metric)
-        send_metrics((metric,))
-
-    def log_metric_async(run_id, metric):
-        if run_id != call_run_id:
-            return store_log_batch_async(run_id, [metric], [], [])
-        send_metrics((metric,))
-        return RunOperations([])
-
-    def log_batch(run_id, metrics=(), params=(), tags=()):
-        metrics, params, tags = split(run_id, metrics, params, tags)
-        if metrics or params or tags:
-            return store_log_batch(run_id, metrics=metrics, params=params, tags=tags)
-
-    def log_batch_async(run_id, metrics=(), params=(), tags=()):
-        metrics, params, tags = split(run_id, metrics, params, tags)
-        if metrics or params or tags:
-            return store_log_batch_async(run_id, metrics, params, tags)
-        return RunOperations([])
-
-    store.log_metric, store.log_metric_async = log_metric, log_metric_async
-    store.log_batch, store.log_batch_async = log_batch, log_batch_async
-    if keyed is None:
-        return
-
-    def log_param(run_id, param):
-        if run_id != call_run_id:
-            return store_log_param(run_id, param)
-        log_batch(run_id, params=[param])
-
-    def set_tag(run_id, tag):
-        if run_id != call_run_id:
-            return store_set_tag(run_id, tag)
-        log_batch(run_id, tags=[tag])
-
-    store.log_param, store.set_tag = log_param, set_tag
-    store.log_param_async = lambda run_id, param: log_batch_async(run_id, params=[param])
-    store.set_tag_async = lambda run_id, tag: log_batch_async(run_id, tags=[tag])
-
-
 class _KeyedValues:
     """A rank's params and tags on the call's run, sent to the agent as ("param" | "tag", rank,
     key, value) records; MLflow's own tags (mlflow.*, which MLflow sets itself) still go to the
     store. A param this rank changes is refused, as MLflow's store would refuse it."""
 
-    def __init__(self, send_keyed) -> None:
+    def __init__(self, send_keyed, logged: dict[str, str]) -> None:
         from mlflow.exceptions import MlflowException
         from mlflow.utils.validation import _validate_param, _validate_tag
 
         self._send, self._exception = send_keyed, MlflowException
         self._validate_param, self._validate_tag = _validate_param, _validate_tag
         self._rank = int(os.environ.get("RANK", "0"))
-        self._params: dict[str, str] = {}
+        self._params: dict[str, str] = dict(logged)
 
     def send(self, params, tags) -> tuple[list, list]:
         records, kept_tags = [], []
@@ -437,6 +376,18 @@ def _shortcut_fluent_logging(mlflow, call_run_id: str, send) -> None:
 
     mlflow.log_metric, mlflow.log_metrics = log_metric, log_metrics
 
+    def undo() -> None:
+        mlflow.log_metric, mlflow.log_metrics = mlflow_log_metric, mlflow_log_metrics
+
+    _undo.append(undo)
+
+
+def _end_runs(mlflow) -> None:
+    """What MLflow's exit handler does: every run still active ends (FINISHED), the call's run
+    with its status left to the agent (call_store.py)."""
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+
 
 def _flush_before_thread_shutdown(mlflow) -> None:
     """MLflow flushes its asynchronous logging from an atexit handler, which runs after
@@ -451,7 +402,7 @@ def _before_thread_shutdown(fn, *args) -> None:
 
     register = getattr(threading, "_register_atexit", None)  # what concurrent.futures itself uses
     if register is not None:
-        register(fn, *args)
+        register(lambda: _ended or fn(*args))
 
 
 def _flush(mlflow) -> None:

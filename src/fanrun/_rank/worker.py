@@ -46,6 +46,8 @@ _handlers_installed = False
 # Sends the metrics this rank logged and has not sent yet (tracking.py), before it reports its
 # result or its failure.
 _flush_metrics = None
+# Ends this call's MLflow run in the process, for a rank that stays for the next call (tracking.py).
+_end_tracking = None
 # progress.py's globals, loaded once per process: the torch functions it times keep calling into
 # them, call after call of a kept rank.
 _progress = None
@@ -65,8 +67,8 @@ def main(abandon=None) -> None:
     """Runs the call of sys.argv and os.environ; once per process, or once per call of a rank
     kept between calls (_rank/spare.py). `abandon`: where the rank may restart in its process,
     its Abandon (_rank/abandon.py), which the function runs armed with."""
-    global _exit_status, _handlers_installed, _flush_metrics, _progress, _last_error, _said_failed
-    _exit_status, _flush_metrics, _last_error, _said_failed = 1, None, None, False
+    global _exit_status, _handlers_installed, _flush_metrics, _end_tracking, _progress, _last_error, _said_failed
+    _exit_status, _flush_metrics, _end_tracking, _last_error, _said_failed = 1, None, None, None, False
     if not _handlers_installed:
         _handlers_installed = True
         # Registered first, so that it runs last, after every handler the function registers.
@@ -84,6 +86,7 @@ def main(abandon=None) -> None:
         before = list(sys.meta_path)
         tracking = _sibling("tracking.py")
         tracking["install"]()
+        _end_tracking = tracking["end_call"]
         _flush_metrics = tracking["flush_metrics"]
         tracking_hooks = [hook for hook in sys.meta_path if not any(hook is old for old in before)]
     mode = sys.argv[1]
@@ -128,6 +131,13 @@ def _exit_before_teardown() -> None:
     except Exception:
         pass
     os._exit(_exit_status)
+
+
+def end_tracking() -> None:
+    """For a rank that stays for another call: this call's MLflow run ended in the process, as
+    its exit would end it (_rank/tracking.py, end_call)."""
+    if _end_tracking is not None:
+        _end_tracking()
 
 
 def take_ended_by() -> tuple[BaseException | None, bool]:

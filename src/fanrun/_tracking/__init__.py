@@ -10,7 +10,7 @@ and the call's outcome over a socket, and the agent makes, fills and closes the 
   agent_channel.py     the messages between the two
   agent.py             the agent process's main loop
   agent_run.py         one call's run inside the agent: made, fed, closed
-  rank_values.py       the params and tags of ranks other than 0, under key/rank_N where they differ
+  rank_values.py       the ranks' params and tags: rank 0's under key, the others' under key/rank_N where they differ
   system_metrics.py    CPU, memory and GPU samples for the run
   rank_steps.py        each rank's step time and its waits, read from the ranks' progress records with each sample
   links.py             the run's line or link in the caller's output

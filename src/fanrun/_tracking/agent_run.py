@@ -23,7 +23,7 @@ from . import store as tracking_store
 from .agent_channel import FINISH_DEADLINE_S, START_DEADLINE_S, describe
 from ..backends.metric_relay import MetricRelay
 from .rank_steps import RankSteps
-from .rank_values import write_other_ranks
+from .rank_values import write_rank_values
 from .._rank.contract import STALL_REPORT_JSON, STALL_REPORT_TEXT
 from .._spec.paths import rank_log
 from .links import TrackedRun, masked
@@ -33,6 +33,9 @@ from .system_metrics import SystemMetricsSampler, sampling_interval
 PROBE_TIMEOUT_S = 3.0
 # How long the end of a run waits for a system-metrics sample still in flight.
 SAMPLER_JOIN_S = 5.0
+# The largest run, as JSON, that goes to the ranks with its identity; theirs reads a larger one
+# from the store. Well below what a rank reads of the answer (_rank/tracking.py, MAX_ANSWER).
+SNAPSHOT_LIMIT = 32 * 1024
 # The outcome of a call whose caller ended before sending one.
 CALLER_ENDED = {"status": "KILLED", "tags": {"fanrun.stop_reason": "caller ended"}, "run_dir": None, "world_size": 0}
 
@@ -48,6 +51,7 @@ class CallRun:
         # The submission whose run this attempt's is nested under (caller.track_submission).
         self.parent = parent
         self.run: TrackedRun | None = None
+        self.snapshot: str | None = None  # the run as made, JSON of MLflow's Run message
         self.opened = threading.Event()  # set once open() has made the run, or given up
         self.relay = MetricRelay(self.write_metrics, listener)
         self.sampler: SystemMetricsSampler | None = None
@@ -111,7 +115,10 @@ class CallRun:
             self.reply({"off": {"id": self.id, "problem": problem}})
             return True
         run = self.run
-        self.relay.publish({"run_id": run.run_id, "env": _rank_variables(run)})
+        answer = {"run_id": run.run_id, "env": _rank_variables(run)}
+        if self.snapshot is not None and len(self.snapshot) <= SNAPSHOT_LIMIT:
+            answer["run"] = self.snapshot  # a rank resumes it without opening the store (_rank/call_store.py)
+        self.relay.publish(answer)
         if call["role"] != "submission":  # the machine is sampled on each attempt's run
             self.sampler = SystemMetricsSampler(
                 _metrics_logger(run), call["gpu_indices"], sampling_interval(), first_step=run.first_system_step,
@@ -140,6 +147,9 @@ class CallRun:
         _probe(uri)
         run = _open_run(uri, call, store)
         run.registry_uri = registry_uri
+        from mlflow.utils.proto_json_utils import message_to_json
+
+        self.snapshot = message_to_json(run.client.get_run(run.run_id).to_proto())
         if tracking_store.is_local(uri):
             run.ui_url = tracking_store.ui_address(uri)
         return run
@@ -171,9 +181,9 @@ class CallRun:
                 self.warnings.append(f"fanrun: {relay.dropped} metric values logged by the ranks could not be written to "
                                      f"the MLflow run {run.run_name} ({describe(relay.error)}); the call's outcome is unchanged.")
             try:
-                self.warnings += _within(FINISH_DEADLINE_S, write_other_ranks, run.client, run.run_id, run.run_name, relay.keyed)
+                self.warnings += _within(FINISH_DEADLINE_S, write_rank_values, run.client, run.run_id, run.run_name, relay.keyed)
             except Exception as failure:
-                self.warnings.append(f"fanrun: the params and tags of ranks other than 0 could not be written to the MLflow "
+                self.warnings.append(f"fanrun: the params and tags the ranks logged could not be written to the MLflow "
                                      f"run {run.run_name} ({describe(failure)}); the call's outcome is unchanged.")
         run_dir = Path(outcome["run_dir"]) if outcome["run_dir"] else None
         try:

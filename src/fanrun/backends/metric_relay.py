@@ -8,9 +8,8 @@ yet. A rank connects when its function imports mlflow, and its first message is 
 sent as soon as publish() gives it: the run's identity, or "not tracked".
 
 A rank then sends one message per logging call (_rank/tracking.py): a pickled list of
-(key, value, timestamp, step, model_id, dataset_name, dataset_digest), the metrics, and, from
-ranks other than 0, ("param" | "tag", rank, key, value), their params and tags, which are kept
-in `keyed` for the run's close (rank_values.py) rather than written. Messages are read as
+(key, value, timestamp, step, model_id, dataset_name, dataset_digest), the metrics, and
+("param" | "tag", rank, key, value), its params and tags, which are kept in `keyed` for the run's close (rank_values.py) rather than written. Messages are read as
 they come, so that no rank waits on a full socket, and written at most once per
 WRITE_INTERVAL_S: MLflow's stores pay per request as much as per value (a local sqlite store
 costs about 0.8 ms per value in batches of ten, 0.2 ms in batches of a thousand), and on a

@@ -89,7 +89,7 @@ class NodeAgent:
         env[ENV_NODE_ID] = spec["node_id"]
         if spec["tracked"]:
             # The ranks' MLflow socket is this agent's; what they log goes to the caller with the events.
-            # Params and tags of ranks other than 0 go on to the caller's relay with the metrics.
+            # The ranks' params and tags go on to the caller's relay with the metrics.
             self._relay = MetricRelay(write=self._forward_metrics, keep_keyed=False)
             self._relay.start()
             env[rank_tracking.VARIABLE] = self._relay.path
