@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU sessions behind docs/gpu.md: build fanrun on the GPU machine, then run the named
 # parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
-# given as wheels in .whl/.
+# given as wheels in .whl/, and MLflow with what it needs in .whl/mlflow/ (for tracking-cost).
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
-#   [checkpoint-tests] [checkpoint] [results] [stall] [health] [restart]
+#   [checkpoint-tests] [checkpoint] [results] [stall] [health] [restart] [warm-loop] [tracking-cost]
 # On eight GPUs:
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
 # DRY_RUN=1 prints each step's command instead of running it, and installs nothing (the tests
@@ -17,6 +17,9 @@ if [ -z "${DRY_RUN:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/deepspeed-*.tar.gz
     export PYTHONPATH=/tmp/site
+  fi
+  if [ -d .whl/mlflow ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-mlflow .whl/mlflow/*.whl
   fi
   python3 -m pip install -q --no-build-isolation --no-deps . || exit 1
 fi
@@ -74,6 +77,12 @@ for part in $parts; do
     stall) FANRUN_TRACKING=0 step stall 560 python3 benchmarks/stall.py --device cuda --ranks ${STALL_RANKS:-1} ${STALL_ARGS:-} ;;
     # From a rank's death to the next attempt's first step: fanrun keep and fresh, torchrun --max-restarts.
     restart) FANRUN_TRACKING=0 step restart 300 python3 benchmarks/restart.py --ranks ${RESTART_RANKS:-1} --repeat ${REPEAT:-3} ;;
+    # Back-to-back calls: cold, warm without and after a warmup, and kept.
+    warm-loop) step warm_loop 420 python3 benchmarks/warm_loop.py --ranks ${LOOP_RANKS:-1} ${LOOP_ARGS:-} ;;
+    # A call tracked against untracked, for a function that never imports mlflow and for one that does.
+    tracking-cost)
+      PYTHONPATH=/tmp/site-mlflow:${PYTHONPATH:-} step tracking_cost 420 python3 benchmarks/tracking_cost.py \
+        --ranks ${COST_RANKS:-1} --repeat ${REPEAT:-3} --sleeps 0 ${COST_ARGS:-} ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done

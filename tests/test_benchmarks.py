@@ -51,7 +51,10 @@ SMOKE_RUNS = {
                       "warm: TableDataset >= 1.5x the best peer", "of batches it never reads"]),
     "throughput.py": ([], ["fanrun/torchrun", "ddp ", "fsdp "]),
     "tracking.py": ([], ["| mode |", "log_metric every step (fanrun's default)", "vs off"]),
-    "tracking_cost.py": ([], ["| ranks sleep s | call | on | off | on - off | goal |", "| first call |", "| calls 2-2 |", "| whole script |"]),
+    "tracking_cost.py": ([], ["| function | ranks sleep s | call | on | off | on - off | on/off | goal |", "| sleep | 0 | first call |",
+                              "| mlflow | 0 | first call |", "| calls 2-2 |", "| whole script |"]),
+    "warm_loop.py": ([], ["| ranks sleep s | calls | first | median | slowest | median/first | goal |", "| 0 | warm |",
+                          "| 0 | kept |", "Goal: warm calls' median at most 1.2x the first warm call: "]),
 }
 # A Ray cluster binds to the machine's address, unless it runs where loopback alone is up.
 IN_A_NETWORK_NAMESPACE = {"ray.py", "ray_gpu.py", "table.py"}
@@ -110,7 +113,7 @@ def test_panel_benchmark_smoke_run_with_its_caller_in_a_notebook(tmp_path):
 
 def gpu_session_steps() -> list[tuple[str, list[str]]]:
     parts = ["checks", "examples", "gpu-tests", "notebooks", "throughput", "launch", "tracking",
-             "checkpoint-tests", "checkpoint", "results", "stall", "health"]
+             "checkpoint-tests", "checkpoint", "results", "stall", "health", "restart", "warm-loop", "tracking-cost"]
     done = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), *parts], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -9,6 +9,7 @@ from . import _accelerators
 from .backends.local.spares import POOL, drop_all_kept
 from .backends.local import KEEPER
 from .backends.rank_env import RANK_DEFAULTS
+from ._tracking.caller import tracking_by_default
 
 WAIT_LIMIT_S = 600.0
 
@@ -29,6 +30,7 @@ def warmup(num_accelerators: int | None = None, *, preload: Iterable[str] = (), 
         raise ValueError(f"num_accelerators must be a positive int or None, not {num_accelerators!r}")
     plan = _accelerators.plan_run(num_accelerators, None, _accelerators.detect())
     POOL.preload = tuple(names)
+    POOL.mlflow = tracking_by_default()
     POOL.warmed_up = True
     POOL.fill(plan.world_size, KEEPER, RANK_DEFAULTS)
     return POOL.wait_ready(WAIT_LIMIT_S if wait else 0.0)

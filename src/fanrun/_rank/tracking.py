@@ -53,7 +53,35 @@ def install() -> None:
     if "mlflow" in sys.modules:
         _after_import(sys.modules["mlflow"], _before_import(how))
     else:
-        sys.meta_path.insert(0, _AroundImport("mlflow", lambda: _before_import(how), _after_import))
+        # The answer is awaited while mlflow imports: on a process's first call the agent is
+        # still importing mlflow itself and making the run. (Importing mlflow reads none of the
+        # variables the answer sets.)
+        sys.meta_path.insert(0, _AroundImport("mlflow", lambda: _in_background(_before_import, how),
+                                              lambda mlflow, answer: _after_import(mlflow, answer())))
+
+
+def _in_background(fn, *args):
+    """Runs fn(*args) in a thread of its own; returns what waits for its result."""
+    import threading
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as error:  # noqa: B036 - raised again in the waiting thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="fanrun-mlflow-answer", daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return wait
 
 
 class _AroundImport:
@@ -88,7 +116,7 @@ def _before_import(how: str) -> tuple:
     for it; ("relay",
     run_id, socket, namespace of tracking_off.py) for that run where its store cannot be seen
     from here; ("off", namespace of tracking_off.py) when the call is not tracked, with the
-    tracking URI pointed nowhere. Runs before mlflow reads its variables."""
+    tracking URI pointed nowhere. Runs before mlflow reads its variables: beside its import."""
     if how != OFF:
         try:
             channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

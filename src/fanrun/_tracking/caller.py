@@ -59,6 +59,12 @@ def enabled(tracking: bool) -> bool:
     return tracking and os.environ.get("FANRUN_TRACKING", "1").strip().lower() not in _OFF_VALUES
 
 
+def tracking_by_default() -> bool:
+    """Whether a call that does not say otherwise is tracked: MLflow is installed, and
+    FANRUN_TRACKING does not turn tracking off."""
+    return enabled(True) and _mlflow_installed()
+
+
 def start_agent_early(options: Any) -> None:
     """In a Jupyter kernel, the agent starts when a tracked function is defined: the first call
     then finds mlflow imported. A script starts it with its first call, as it may make none."""

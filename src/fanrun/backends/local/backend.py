@@ -1,7 +1,8 @@
 """The local backend: every rank on this machine, started and supervised by the engine
 (cpp/include/fanrun/supervisor.h), each under a keeper of its own, with a rendezvous on 127.0.0.1
 that the caller holds for the run. A warm call's ranks are spares where there are some
-(backends/local/spares.py), and it leaves as many spares for the next call. A call with keep_alive
+(backends/local/spares.py), and as many spares start for the next call: as it starts, where its
+own spares were ready, else as it ends. A call with keep_alive
 runs on the ranks the function's last call kept, and keeps its own for the next one."""
 
 from __future__ import annotations
@@ -61,7 +62,14 @@ class LocalBackend:
             )
             rendezvous.release_port_for_ranks()
             warm = launch.warm and launch.program.python
+            if warm or keep is not None or survive:
+                # The spares started from here on import mlflow where this call is tracked.
+                spare_ranks.POOL.mlflow = launch.env.get(contract.ENV_TRACKING, "off") != "off"
             spares = _spares_for(plan, keep, warm, survivors)
+            # The next call's spares start importing at once where this call's are ready; where
+            # they are still importing, once this call is over: started beside them, they would
+            # slow down the imports this call waits for.
+            refill_now = len(spares) == plan.world_size and all(spare.wait_ready(0.0) for spare in spares)
             try:
                 supervisor = _core.Supervisor.start(options, spares=spares)
             except Exception:
@@ -74,8 +82,14 @@ class LocalBackend:
         except BaseException:
             rendezvous.close()
             raise
-        return LocalRanks(supervisor, rendezvous, refill=plan.world_size if warm and keep is None else 0,
-                          keep=keep, keep_key=_keep_key(plan), survivors=survivors if survive else None)
+        refill = plan.world_size if warm and keep is None else 0
+        if refill and refill_now:
+            # The next call's ranks import while this call runs: a call that follows at once finds
+            # them ready as soon as this one has lasted as long as their imports.
+            spare_ranks.POOL.fill_soon(refill, KEEPER, RANK_DEFAULTS)
+            refill = 0
+        return LocalRanks(supervisor, rendezvous, refill=refill, keep=keep, keep_key=_keep_key(plan),
+                          survivors=survivors if survive else None)
 
 
 def _spares_for(plan: Plan, keep: spare_ranks.KeptRanks | None, warm: bool, survivors: Survivors | None) -> list:

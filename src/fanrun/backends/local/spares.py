@@ -1,7 +1,7 @@
 """Spare ranks: fresh interpreters started ahead of a call, each with the heavy modules the call's
 ranks will import already imported (torch alone takes seconds), waiting to be handed its call
 (cpp/include/fanrun/spare_rank.h, _rank/spare.py). A warm call takes as many as it has ranks,
-and once it is over as many are started for the next one.
+and as many are started for the next one: as it starts, where its own were ready, else as it ends.
 
 Each is started by exec, never forked from the caller, so a caller that has initialised CUDA or
 holds threads is no obstacle, and it never touches a GPU itself. Spares are the caller's
@@ -40,6 +40,10 @@ class SparePool:
         self._idle_timer: threading.Timer | None = None
         self._filling: threading.Thread | None = None
         self.preload: tuple[str, ...] = ()  # besides PRELOADABLE's: fanrun.warmup(preload=...)
+        # Spares import mlflow too: the last call was tracked, or (fanrun.warmup) calls are by
+        # default. Where the function imports it, its import is then done; where it does not,
+        # the rank makes the call's run active at its start.
+        self.mlflow = False
         self.warmed_up = False  # fanrun.warmup() was called: calls are warm unless told otherwise
 
     def take(self, count: int) -> list:
@@ -110,6 +114,8 @@ class SparePool:
 
     def _spare_command(self, rank_defaults: dict[str, str]) -> tuple[list[str], list[str]]:
         modules = [name for name in PRELOADABLE if name in sys.modules] + [m for m in self.preload if m not in PRELOADABLE]
+        if self.mlflow and "mlflow" not in modules:
+            modules.append("mlflow")
         argv = [sys.executable, "-u", "-c", bootstrap_code(), json.dumps(sys.path), ",".join(modules)]
         # What the ranks' environment will hold where it matters to an import (OMP_NUM_THREADS);
         # the call brings the whole of it.
