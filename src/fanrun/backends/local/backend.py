@@ -1,8 +1,8 @@
 """The local backend: every rank on this machine, started and supervised by the engine
 (cpp/include/fanrun/supervisor.h), each under a keeper of its own, with a rendezvous on 127.0.0.1
 that the caller holds for the run. A warm call's ranks are spares where there are some
-(backends/local/spares.py), and as many spares start for the next call: as it starts, where its
-own spares were ready, else as it ends. A call with keep_alive
+(backends/local/spares.py), and as many spares start for the next call, as it starts (on a
+small machine whose spares are still importing, as it ends). A call with keep_alive
 runs on the ranks the function's last call kept, and keeps its own for the next one."""
 
 from __future__ import annotations
@@ -66,10 +66,7 @@ class LocalBackend:
                 # The spares started from here on import mlflow where this call is tracked.
                 spare_ranks.POOL.mlflow = launch.env.get(contract.ENV_TRACKING, "off") != "off"
             spares = _spares_for(plan, keep, warm, survivors)
-            # The next call's spares start importing at once where this call's are ready; where
-            # they are still importing, once this call is over: started beside them, they would
-            # slow down the imports this call waits for.
-            refill_now = len(spares) == plan.world_size and all(spare.wait_ready(0.0) for spare in spares)
+            refill_now = _refill_now(plan, spares)
             try:
                 supervisor = _core.Supervisor.start(options, spares=spares)
             except Exception:
@@ -90,6 +87,15 @@ class LocalBackend:
             refill = 0
         return LocalRanks(supervisor, rendezvous, refill=refill, keep=keep, keep_key=_keep_key(plan),
                           survivors=survivors if survive else None)
+
+
+def _refill_now(plan: Plan, spares: list) -> bool:
+    """Whether the next call's spares start importing as this call starts, rather than once it
+    is over: where this call's own spares are ready, or where the machine has two cores for
+    each process that would then be importing. On a small machine, spares started beside this
+    call's own, still importing, would slow down the imports this call waits for."""
+    importing = plan.world_size - sum(1 for spare in spares if spare.wait_ready(0.0))
+    return importing == 0 or (os.cpu_count() or 1) >= 2 * (importing + plan.world_size)
 
 
 def _spares_for(plan: Plan, keep: spare_ranks.KeptRanks | None, warm: bool, survivors: Survivors | None) -> list:
