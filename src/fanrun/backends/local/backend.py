@@ -1,8 +1,7 @@
 """The local backend: every rank on this machine, started and supervised by the engine
 (cpp/include/fanrun/supervisor.h), each under a keeper of its own, with a rendezvous on 127.0.0.1
 that the caller holds for the run. A warm call's ranks are spares where there are some
-(backends/local/spares.py), and as many spares start for the next call, as it starts (on a
-small machine whose spares are still importing, as it ends). A call with keep_alive
+(backends/local/spares.py), and as it starts, as many spares start for the next call. A call with keep_alive
 runs on the ranks the function's last call kept, and keeps its own for the next one."""
 
 from __future__ import annotations
@@ -66,7 +65,6 @@ class LocalBackend:
                 # The spares started from here on import mlflow where this call is tracked.
                 spare_ranks.POOL.mlflow = launch.env.get(contract.ENV_TRACKING, "off") != "off"
             spares = _spares_for(plan, keep, warm, survivors)
-            refill_now = _refill_now(plan, spares)
             try:
                 supervisor = _core.Supervisor.start(options, spares=spares)
             except Exception:
@@ -79,23 +77,12 @@ class LocalBackend:
         except BaseException:
             rendezvous.close()
             raise
-        refill = plan.world_size if warm and keep is None else 0
-        if refill and refill_now:
+        if warm and keep is None:
             # The next call's ranks import while this call runs: a call that follows at once finds
             # them ready as soon as this one has lasted as long as their imports.
-            spare_ranks.POOL.fill_soon(refill, KEEPER, RANK_DEFAULTS)
-            refill = 0
-        return LocalRanks(supervisor, rendezvous, refill=refill, keep=keep, keep_key=_keep_key(plan),
+            spare_ranks.POOL.fill_soon(plan.world_size, KEEPER, RANK_DEFAULTS)
+        return LocalRanks(supervisor, rendezvous, keep=keep, keep_key=_keep_key(plan),
                           survivors=survivors if survive else None)
-
-
-def _refill_now(plan: Plan, spares: list) -> bool:
-    """Whether the next call's spares start importing as this call starts, rather than once it
-    is over: where this call's own spares are ready, or where the machine has two cores for
-    each process that would then be importing. On a small machine, spares started beside this
-    call's own, still importing, would slow down the imports this call waits for."""
-    importing = plan.world_size - sum(1 for spare in spares if spare.wait_ready(0.0))
-    return importing == 0 or (os.cpu_count() or 1) >= 2 * (importing + plan.world_size)
 
 
 def _spares_for(plan: Plan, keep: spare_ranks.KeptRanks | None, warm: bool, survivors: Survivors | None) -> list:
@@ -128,11 +115,10 @@ def _keep_key(plan: Plan) -> tuple:
 class LocalRanks:
     """The engine's supervisor of this machine's ranks, and the rendezvous they meet at."""
 
-    def __init__(self, supervisor, rendezvous: Rendezvous, refill: int, keep: spare_ranks.KeptRanks | None,
-                 keep_key: tuple, survivors: Survivors | None) -> None:
+    def __init__(self, supervisor, rendezvous: Rendezvous, keep: spare_ranks.KeptRanks | None, keep_key: tuple,
+                 survivors: Survivors | None) -> None:
         self._supervisor = supervisor
         self._rendezvous = rendezvous
-        self._refill = refill
         self._keep = keep
         self._keep_key = keep_key
         self._survivors = survivors
@@ -183,6 +169,3 @@ class LocalRanks:
             if kept:
                 self._keep.keep(self._keep_key, kept)
             self._supervisor.kill_and_reap()  # the ranks it kept, where the call did not end well
-        if self._refill:
-            # The next call's ranks start importing now, while this call's caller reads its results.
-            spare_ranks.POOL.fill_soon(self._refill, KEEPER, RANK_DEFAULTS)

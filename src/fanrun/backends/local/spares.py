@@ -1,7 +1,7 @@
 """Spare ranks: fresh interpreters started ahead of a call, each with the heavy modules the call's
 ranks will import already imported (torch alone takes seconds), waiting to be handed its call
 (cpp/include/fanrun/spare_rank.h, _rank/spare.py). A warm call takes as many as it has ranks,
-and as many are started for the next one as it starts (backends/local/backend.py, _refill_now).
+and as it starts, as many are started for the next one.
 
 Each is started by exec, never forked from the caller, so a caller that has initialised CUDA or
 holds threads is no obstacle, and it never touches a GPU itself. Spares are the caller's
