@@ -12,6 +12,9 @@ set -u
 OUT=${OUT:-/tmp/fanrun-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The figures are of cold calls unless a benchmark asks for warm ones (on this host a function's
+# calls are warm by default).
+export FANRUN_WARM=${FANRUN_WARM:-0}
 if [ -z "${DRY_RUN:-}" ]; then
   if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

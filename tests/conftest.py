@@ -27,6 +27,9 @@ os.environ["FANRUN_RUNS_DIR"] = _RUNS
 # Every call would otherwise be an MLflow run, with a line of its own in the output;
 # test_tracking.py turns tracking back on for its tests.
 os.environ["FANRUN_TRACKING"] = "0"
+# Calls are cold unless a test asks for warm ones, whatever the machine's cores (a function's
+# calls are warm by default where it has 4 for each rank: backends/local/spares.py).
+os.environ["FANRUN_WARM"] = "0"
 # The tests of what ranks print read it line by line in the cell, as display="logs" shows it;
 # the panel's tests (test_panel*.py) unset this, so that a notebook's default is the panel.
 os.environ["FANRUN_DISPLAY"] = "logs"

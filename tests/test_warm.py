@@ -205,11 +205,15 @@ def test_warm_switches_are_checked(monkeypatch, spares):
     from fanrun.backends.local.spares import warm
 
     monkeypatch.delenv("FANRUN_WARM", raising=False)
-    assert warm(None) is False and warm(True) is True
+    # Left to itself, a function's call is warm where the machine has 4 cores for each rank.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert warm(None, 2, repeatable=True) is True and warm(None, 3, repeatable=True) is False
+    assert warm(None, 1, repeatable=False) is False  # a one-off program's: `fanrun run`, a detached run
+    assert warm(True, 3, repeatable=True) is True and warm(False, 1, repeatable=True) is False
     fanrun.warmup(1)
-    assert warm(None) is True and warm(False) is False
+    assert warm(None, 3, repeatable=False) is True and warm(False, 1, repeatable=True) is False
     monkeypatch.setenv("FANRUN_WARM", "0")
-    assert warm(None) is False
+    assert warm(None, 1, repeatable=True) is False
     fanrun.cooldown()
     monkeypatch.setenv("FANRUN_WARM", "1")
-    assert warm(None) is True
+    assert warm(None, 3, repeatable=False) is True

@@ -108,7 +108,8 @@ def distributed(
     ``warm=True`` takes the ranks from spare interpreters started ahead, with torch and the
     like already imported, and leaves as many for the next call; ``warm=False`` starts them
     fresh. The default follows ``FANRUN_WARM`` (1 or 0), else whether ``fanrun.warmup()``
-    was called.
+    was called, else whether this machine has 4 cores for each rank (a GPU host: warm; a
+    small machine: cold).
 
     ``keep_alive=True`` keeps the rank processes alive between the calls of this function, with
     the modules they imported and their CUDA context: each call still gets its own arguments,

@@ -37,8 +37,8 @@ def warmup(num_accelerators: int | None = None, *, preload: Iterable[str] = (), 
 
 
 def cooldown() -> None:
-    """Ends every spare rank now, and the ranks that ``keep_alive=True`` kept, and makes calls
-    cold again unless FANRUN_WARM=1 or their decorator says ``warm=True``."""
+    """Ends every spare rank now, and the ranks that ``keep_alive=True`` kept; calls then follow
+    their default again (their decorator's ``warm``, FANRUN_WARM, the machine's cores)."""
     POOL.warmed_up = False
     POOL.drop()
     drop_all_kept()

@@ -54,7 +54,7 @@ def run(spec: CallSpec, *, kept: spares.KeptRanks | None = None, record: records
     ends it); else the call makes one (records.py), which ends with it."""
     ledger = goodput.Ledger()
     options = spec.options
-    warm = spares.warm(options.warm)
+    warm = spares.warm(options.warm, spec.plan.world_size, repeatable=spec.program.is_function and record is None)
     restarts_warm = options.max_restarts > 0 and spec.plan.backend == "local" and spec.program.python
     if restarts_warm:
         # A restart takes spares whose imports are done: they start now, while the first attempt runs.

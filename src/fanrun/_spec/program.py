@@ -27,3 +27,8 @@ class RankProgram:
     @classmethod
     def native(cls, argv: list[str]) -> RankProgram:
         return cls(list(argv), False)
+
+    @property
+    def is_function(self) -> bool:
+        """The ranks call a Python function (the decorator's door), rather than run a program."""
+        return self.python and self.argv[4:5] == ["function"]

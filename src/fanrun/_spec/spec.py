@@ -45,7 +45,7 @@ class Options:
     nodes: int | None = None
     backend: str | None = None
     placement_timeout: float = 60.0
-    # Ranks from spares started ahead (backends/local/spares.py): None follows FANRUN_WARM and fanrun.warmup().
+    # Ranks from spares started ahead (backends/local/spares.py): None follows FANRUN_WARM, fanrun.warmup(), then the machine's cores.
     warm: bool | None = None
     # The ranks stay alive between the calls of the function (backends/local/spares.py, KeptRanks).
     keep_alive: bool = False
