@@ -113,10 +113,10 @@ class _AroundImport:
 
 def _before_import(how: str) -> tuple:
     """("run", run_id, socket, the run as JSON) for the call's run, with MLflow's variables set
-    for it; ("relay",
-    run_id, socket, namespace of tracking_off.py) for that run where its store cannot be seen
-    from here; ("off", namespace of tracking_off.py) when the call is not tracked, with the
-    tracking URI pointed nowhere. Runs before mlflow reads its variables: beside its import."""
+    for it; ("relay", run_id, socket, namespace of tracking_off.py) for that run where its store
+    cannot be seen from here; ("off", namespace of tracking_off.py) when the call is not
+    tracked, with the tracking URI pointed nowhere. Runs before mlflow reads its variables:
+    beside its import."""
     if how != OFF:
         try:
             channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
