@@ -26,12 +26,13 @@ import threading
 
 
 class CallStore:
-    """Stands in MLflow's registry for the store of `uri`: `send(records)` takes the call's
-    run's metrics (None: the store does), `keyed` (a KeyedValues, or None: the store) its params
-    and tags; `snapshot` is the run as the agent made it (None: the store has it)."""
+    """Stands in MLflow's registry for the store of the rank's tracking URI: `send(records)`
+    takes the call's run's metrics (None: the store does), `keyed` (a KeyedValues, or None: the
+    store) its params and tags; `snapshot` is the run as the agent made it (None: the store has
+    it); `open_store()` opens MLflow's own."""
 
-    def __init__(self, uri: str, run_id: str, snapshot, send, keyed, open_store) -> None:
-        self._uri, self._run_id, self._snapshot = uri, run_id, snapshot
+    def __init__(self, run_id: str, snapshot, send, keyed, open_store) -> None:
+        self._run_id, self._snapshot = run_id, snapshot
         self._send, self._keyed, self._open = send, keyed, open_store
         self._store = None
         self._registry = None
@@ -43,11 +44,10 @@ class CallStore:
         from mlflow.tracking._tracking_service import utils
 
         registry = utils._tracking_store_registry
-        # The registry's own, where an earlier call of this process replaced it already.
-        registry_get_store = registry.__dict__.get("_fanrun_get_store", registry.get_store)
-        registry._fanrun_get_store = registry_get_store
+        # Its class's own, even where an earlier call of this process left its replacement.
+        registry_get_store = type(registry).get_store.__get__(registry)
         uri = utils._resolve_tracking_uri()
-        store = cls(uri, run_id, snapshot, send, keyed, lambda: registry_get_store(uri))
+        store = cls(run_id, snapshot, send, keyed, lambda: registry_get_store(uri))
 
         def get_store(store_uri=None, artifact_uri=None):
             if artifact_uri is None and utils._resolve_tracking_uri(store_uri) == uri:
@@ -62,9 +62,6 @@ class CallStore:
         """The registry's own again, MLflow's store flushed of what it queued."""
         self._registry.__dict__.pop("get_store", None)  # its class's method again
         self.flush_async_logging()
-
-    def opened(self) -> bool:
-        return self._store is not None
 
     def _real(self):
         with self._lock:
