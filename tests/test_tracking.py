@@ -32,6 +32,7 @@ from fanrun._tracking.system_metrics import SystemMetricsSampler
 from fanrun._tracking.links import TrackedRun, link_html, link_text
 from fanrun import TrackingWarning
 from fanrun._tracking.caller import outcome
+from fanrun.backends.local.spares import POOL
 
 mlflow = pytest.importorskip("mlflow")
 MlflowClient = mlflow.MlflowClient
@@ -871,6 +872,35 @@ def test_a_kept_rank_whose_function_imports_mlflow_stays_and_logs_each_call_on_i
             assert "first_call/rank_1" not in run.data.params  # rank 1's value is rank 0's
     finally:
         fanrun.cooldown()
+
+
+@distributed(num_accelerators=2, warm=True)
+def logs_in_a_warm_rank(call: int):
+    import sys
+
+    preloaded = "mlflow" in sys.modules  # imported by the spare this rank was
+    import mlflow
+
+    mlflow.log_metric("call", call, step=call)
+    return preloaded, mlflow.active_run().info.run_id
+
+
+def test_a_warm_calls_spares_import_mlflow_ahead_and_log_on_the_next_calls_run(sqlite_store):
+    client, experiment_id = sqlite_store
+    try:
+        first = logs_in_a_warm_rank.distributed(0)  # cold; tracked, so the spares it starts import mlflow
+        assert POOL.wait_ready(120)
+        second = logs_in_a_warm_rank.distributed(1)
+    finally:
+        fanrun.cooldown()
+    fanrun.flush_tracking()
+    assert [preloaded for preloaded, _ in first] == [False, False]
+    assert [preloaded for preloaded, _ in second] == [True, True]
+    for call, result in enumerate((first, second)):
+        (run_id,) = {run_id for _, run_id in result}
+        assert client.get_run(run_id).info.status == "FINISHED"
+        assert by_rank(client, run_id, "call") == [[(call, call)], [(call, call)]]
+    assert first[0][1] != second[0][1]
 
 
 def test_run_id_resumes_that_run_and_start_run_with_it_nests_under_it(sqlite_store):
