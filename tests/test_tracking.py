@@ -850,6 +850,7 @@ def logs_in_a_kept_rank(call: int):
     run_id = mlflow.active_run().info.run_id
     if call == 0:
         mlflow.start_run(run_name="left-active", nested=True)  # ended as the process's exit would end it
+        mlflow.set_experiment("the-function's-own")  # forgotten after the call, as by a new process
     return os.getpid(), run_id, store_opened
 
 

@@ -412,9 +412,16 @@ def _shortcut_fluent_logging(mlflow, call_run_id: str, send) -> None:
 
 def _end_runs(mlflow) -> None:
     """What MLflow's exit handler does: every run still active ends (FINISHED), the call's run
-    with its status left to the agent (call_store.py)."""
+    with its status left to the agent (call_store.py). Then the experiment and tracking URI that
+    the function set are forgotten, as a new process would not know them: the next call's run
+    is in its own experiment, and its store is the one its variables name."""
     while mlflow.active_run() is not None:
         mlflow.end_run()
+    from mlflow.tracking import fluent
+    from mlflow.tracking._tracking_service import utils
+
+    fluent._active_experiment_id = None
+    utils._tracking_uri = None
 
 
 def _flush_before_thread_shutdown(mlflow) -> None:
