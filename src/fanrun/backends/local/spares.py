@@ -33,7 +33,7 @@ ENV_WARM = "FANRUN_WARM"
 # Where nothing else decides, a function's calls are warm on a machine with this many cores for
 # each rank: one call's ranks and the next call's spares then import beside each other without
 # slowing the call down. On the one-GPU host (16 cores) a warm call's replacements cost its
-# first call nothing measurable; on 2 cores and 2 ranks they cost a first call of 4.6 s 1.2 s
+# first call nothing measurable; on 2 cores and 2 ranks they cost a first call of 4.5 s 1.3 s
 # more (docs/warm.md, Calls in a loop), so there calls stay cold unless asked.
 WARM_CORES_PER_RANK = 4
 
