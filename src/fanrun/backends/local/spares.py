@@ -18,6 +18,7 @@ import threading
 import weakref
 
 from ... import _core
+from ..._accelerators import usable_cores
 from ..._rank import contract
 from ..._rank.spare import bootstrap_code
 
@@ -225,15 +226,7 @@ def warm(option: bool | None, world_size: int, repeatable: bool) -> bool:
     setting = os.environ.get(ENV_WARM, "")
     if setting:
         return setting != "0"
-    return POOL.warmed_up or (repeatable and _cores() >= WARM_CORES_PER_RANK * world_size)
-
-
-def _cores() -> int:
-    """The cores this process may run on (its affinity), not the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return POOL.warmed_up or (repeatable and usable_cores() >= WARM_CORES_PER_RANK * world_size)
 
 
 POOL = SparePool()
