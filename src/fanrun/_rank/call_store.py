@@ -35,7 +35,6 @@ class CallStore:
         self._run_id, self._snapshot = run_id, snapshot
         self._send, self._keyed, self._open = send, keyed, open_store
         self._store = None
-        self._registry = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -55,12 +54,13 @@ class CallStore:
             return registry_get_store(store_uri, artifact_uri)
 
         registry.get_store = get_store
-        store._registry = registry
         return store
 
     def uninstall(self) -> None:
         """The registry's own again, MLflow's store flushed of what it queued."""
-        self._registry.__dict__.pop("get_store", None)  # its class's method again
+        from mlflow.tracking._tracking_service import utils
+
+        utils._tracking_store_registry.__dict__.pop("get_store", None)  # its class's method again
         self.flush_async_logging()
 
     def _real(self):
