@@ -33,8 +33,7 @@ def train(directory: str, fail_at: int, how: str):
     if os.path.exists(checkpoint):
         state = torch.load(checkpoint)
         weight, start = state["weight"], state["step"]
-    with open(os.path.join(directory, f"pid-{rank}-{attempt}"), "w") as out:
-        out.write(str(os.getpid()))
+    note_pid(directory, attempt)
     for step in range(start, STEPS):
         update = torch.tensor([float(step + 1)])
         dist.all_reduce(update)
@@ -49,6 +48,19 @@ def train(directory: str, fail_at: int, how: str):
             raise RuntimeError(f"rank 1 fails after step {fail_at}")
     dist.destroy_process_group()
     return float(weight), os.getpid(), STEPS - start, os.environ["FANRUN_RUN_ID"]
+
+
+def note_pid(directory: str, attempt: int) -> None:
+    """In a rank: its pid, for pids() to read."""
+    with open(os.path.join(directory, f"pid-{os.environ['RANK']}-{attempt}"), "w") as out:
+        out.write(str(os.getpid()))
+
+
+def wait_for(path: str) -> None:
+    """In a rank: until another rank has made `path` (at most a minute)."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def pids(directory, world_size: int, attempt: int) -> list[int]:
@@ -107,14 +119,11 @@ def leave_a_thread(directory: str):
     attempt = int(os.environ["FANRUN_RESTART_COUNT"])
     if attempt == 0 and os.environ["RANK"] == "0":
         threading.Thread(target=time.sleep, args=(3600,), name="left-behind").start()
-    with open(os.path.join(directory, f"pid-{os.environ['RANK']}-{attempt}"), "w") as out:
-        out.write(str(os.getpid()))
+    note_pid(directory, attempt)
     if attempt == 0 and os.environ["RANK"] == "0":
         time.sleep(3600)  # until the abandon signal
     if attempt == 0:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(directory, "pid-0-0")) and time.monotonic() < deadline:
-            time.sleep(0.05)  # rank 0 is in its function, and its thread runs, before this one fails
+        wait_for(os.path.join(directory, "pid-0-0"))  # rank 0 is in its function, and its thread runs
         raise RuntimeError("rank 1 fails")
     return os.getpid()
 
@@ -136,12 +145,9 @@ def stop_in_an_import(directory: str):
 
     attempt = int(os.environ["FANRUN_RESTART_COUNT"])
     sys.path.insert(0, directory)
-    with open(os.path.join(directory, f"pid-{os.environ['RANK']}-{attempt}"), "w") as out:
-        out.write(str(os.getpid()))
+    note_pid(directory, attempt)
     if attempt == 0 and os.environ["RANK"] == "1":
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(directory, "importing")) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(os.path.join(directory, "importing"))
         raise RuntimeError("rank 1 fails")
     import halfway
 
