@@ -60,12 +60,18 @@ CALLER = textwrap.dedent(
 def run_script(mode: str, seconds: float, calls: int, ranks: int, function: str, env: dict,
                workdir: Path) -> tuple[list[float], float]:
     """Each call's seconds, and the whole script's (interpreter start to exit)."""
+    return script_times(CALLER, [mode, str(seconds), str(calls), str(ranks), function], env, workdir, SCRIPT_TIMEOUT_S)
+
+
+def script_times(code: str, args: list[str], env: dict | None, workdir: Path, timeout_s: float) -> tuple[list[float], float]:
+    """Runs `python -c code args...`, which prints "times <JSON list>": that list, and the whole
+    script's seconds (interpreter start to exit)."""
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CALLER, mode, str(seconds), str(calls), str(ranks), function], capture_output=True,
-                          text=True, env=env, cwd=workdir, timeout=SCRIPT_TIMEOUT_S)
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=workdir,
+                          timeout=timeout_s)
     whole = time.perf_counter() - started
     if done.returncode != 0:
-        raise RuntimeError(f"the {mode} script failed with {done.returncode}:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the {args[0]} script failed with {done.returncode}:\n{done.stderr[-3000:]}")
     line = next(line for line in done.stdout.splitlines() if line.startswith("times "))
     return json.loads(line.split(" ", 1)[1]), whole
 

@@ -17,17 +17,16 @@ warmup" tell what starting spares during a script's first call costs it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 from launch import package_version  # benchmarks/launch.py, beside this file
+from tracking_cost import script_times
 
 GOAL = 1.2
 SCRIPT_TIMEOUT_S = 900.0
@@ -63,12 +62,7 @@ CALLER = textwrap.dedent(
 
 
 def run_script(mode: str, seconds: float, calls: int, ranks: int, workdir: Path) -> list[float]:
-    done = subprocess.run([sys.executable, "-c", CALLER, mode, str(seconds), str(calls), str(ranks)], capture_output=True,
-                          text=True, cwd=workdir, timeout=SCRIPT_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {mode} script failed with {done.returncode}:\n{done.stderr[-3000:]}")
-    line = next(line for line in done.stdout.splitlines() if line.startswith("times "))
-    return json.loads(line.split(" ", 1)[1])
+    return script_times(CALLER, [mode, str(seconds), str(calls), str(ranks)], None, workdir, SCRIPT_TIMEOUT_S)[0]
 
 
 def main() -> None:
