@@ -139,16 +139,21 @@ def pages_cached(path: str) -> int:
     return sum(p & 1 for p in pages)
 
 
-def test_large_local_files_are_in_memory_when_their_reader_gets_them(tmp_path):
-    size = 2 * (1 << 20)  # read through by the prefetcher, whole, before the reader starts
-    paths = make_corpus(tmp_path / "large", 6, size)
-    for path in paths:  # dropped from the page cache, as on a cold disk
+def drop_from_page_cache(paths: list[Path]) -> None:
+    """As on a cold disk; the test is skipped where the files stay in memory (a tmpfs)."""
+    for path in paths:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
     if any(pages_cached(str(p)) for p in paths):
-        pytest.skip(f"{tmp_path} keeps its files in memory (a tmpfs?)")
+        pytest.skip(f"{paths[0].parent} keeps its files in memory (a tmpfs?)")
+
+
+def test_large_local_files_are_in_memory_when_their_reader_gets_them(tmp_path):
+    size = 2 * (1 << 20)  # read through by the prefetcher, whole, before the reader starts
+    paths = make_corpus(tmp_path / "large", 6, size)
+    drop_from_page_cache(paths)
     ds = VolumeDataset(tmp_path / "large", cache_dir=tmp_path / "cache", transform=bytes_in_memory)
     assert list(ds) == [size] * 6
     assert ds._prefetcher.get().stats()["hinted"] == 6
@@ -270,11 +275,8 @@ def open_descriptors() -> set[int]:
     return found
 
 
-@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores, on purpose
-def test_workers_make_their_first_batches_in_turn_and_leave_no_descriptor(tmp_path, corpus):
-    ds = VolumeDataset(corpus, pattern="*.bin", shuffle=False, cache_dir=tmp_path / "cache", transform=started_by_worker)
-    gc.collect()  # earlier tests' datasets, whose prefetchers hold /dev/null, must not close it during the loop
-    descriptors = open_descriptors()
+def first_reads_by_worker(ds: VolumeDataset) -> dict[int, list[int]]:
+    """When each worker of a 3-worker loader (batches of 2) started each of its reads."""
     starts = collections.defaultdict(list)
     samples = []
     for workers, times, labels in DataLoader(ds, batch_size=2, num_workers=3):
@@ -282,6 +284,16 @@ def test_workers_make_their_first_batches_in_turn_and_leave_no_descriptor(tmp_pa
             starts[worker].append(started)
         samples += labels
     assert sorted(samples) == sorted(f"sample {i}" for i in range(40))
+    return starts
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores, on purpose
+def test_workers_make_their_first_batches_in_turn_and_leave_no_descriptor(tmp_path, corpus):
+    drop_from_page_cache(sorted(corpus.rglob("*.bin")))  # turns share a disk: here, a cold one
+    ds = VolumeDataset(corpus, pattern="*.bin", shuffle=False, cache_dir=tmp_path / "cache", transform=started_by_worker)
+    gc.collect()  # earlier tests' datasets, whose prefetchers hold /dev/null, must not close it during the loop
+    descriptors = open_descriptors()
+    starts = first_reads_by_worker(ds)
     for worker in (1, 2):
         # Its first read began after the worker before it had read its first batch's two.
         assert min(starts[worker]) > sorted(starts[worker - 1])[1]
@@ -290,6 +302,15 @@ def test_workers_make_their_first_batches_in_turn_and_leave_no_descriptor(tmp_pa
         if thread.name == "QueueFeederThread":
             thread.join()
     assert open_descriptors() == descriptors
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_workers_whose_first_files_are_in_the_page_cache_start_at_once(tmp_path, corpus):
+    ds = VolumeDataset(corpus, pattern="*.bin", shuffle=False, cache_dir=tmp_path / "cache", transform=started_by_worker)
+    starts = first_reads_by_worker(ds)  # the corpus was just written: every file is in memory
+    for worker in (1, 2):
+        # Its first read began while the worker before it was still on its first batch.
+        assert min(starts[worker]) < sorted(starts[worker - 1])[1]
 
 
 def test_spawned_workers_read_every_sample_with_no_turns_to_inherit(tmp_path, corpus):

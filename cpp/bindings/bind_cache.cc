@@ -190,6 +190,9 @@ void BindCache(nb::module_& m) {
             return out;
           },
           "hinted, resident (already in the page cache), skipped (not looked at), failed.");
+  prefetcher_class.def_static(
+      "resident", [](const std::string& path) { return LocalPrefetcher::Resident(path); }, nb::arg("path"),
+      "Whether the file was read whole into the page cache (its last page is there); False if it cannot be opened.");
   prefetcher_class.attr("READ_THROUGH_BYTES") = LocalPrefetcher::kReadThroughBytes;
   nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable(),
                           "A node-wide cache directory (file_cache.h) filled ahead of use by `threads` native threads.")

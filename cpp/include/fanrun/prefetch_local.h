@@ -59,6 +59,10 @@ class LocalPrefetcher {
   };
   Counts counts() const;
 
+  // Whether the file at `path` was read whole into the page cache: its last page is there.
+  // False where it cannot be opened.
+  static bool Resident(const std::string& path);
+
   static constexpr int kResidentStreak = 32;
   static constexpr int kProbeEvery = 16;
   static constexpr off_t kReadThroughBytes = 1 << 20;

@@ -85,6 +85,12 @@ void LocalPrefetcher::Wait(const std::string& path) {
   given_.wait(lock, [&] { return pending_.find(path) == pending_.end(); });
 }
 
+bool LocalPrefetcher::Resident(const std::string& path) {
+  Result<FileDescriptor> file = OpenFile(path, O_RDONLY);
+  struct stat st {};
+  return file.ok() && ::fstat(file->fd(), &st) == 0 && LastPageCached(file->fd(), st.st_size);
+}
+
 LocalPrefetcher::Counts LocalPrefetcher::counts() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return counts_;

@@ -156,6 +156,19 @@ TEST(LocalPrefetcherTest, LargeFilesAreReadThroughBeforeTheirWaitReturns) {
   ASSERT_TRUE(testing::RemoveTree(dir));
 }
 
+TEST(LocalPrefetcherTest, ResidentSaysWhetherAFileWasReadWholeIntoThePageCache) {
+  const std::string dir = testing::MakeTempDir("fanrun-prefetch-test");
+  ASSERT_FALSE(dir.empty());
+  const std::vector<std::string> paths = WriteFiles(dir, "f", 1);
+  EXPECT_TRUE(LocalPrefetcher::Resident(paths[0]));  // just written
+  EXPECT_FALSE(LocalPrefetcher::Resident(dir + "/missing"));
+  if (!DropFromPageCache(paths)) GTEST_SKIP() << dir << " keeps its files in memory (tmpfs?)";
+  EXPECT_FALSE(LocalPrefetcher::Resident(paths[0]));
+  std::ifstream(paths[0]).ignore(1 << 20);  // read whole
+  EXPECT_TRUE(LocalPrefetcher::Resident(paths[0]));
+  ASSERT_TRUE(testing::RemoveTree(dir));
+}
+
 TEST(LocalPrefetcherTest, DestroyingWithHintsQueuedDropsThemAndJoins) {
   auto prefetcher = std::make_unique<LocalPrefetcher>(1);
   for (int i = 0; i < 10000; ++i) prefetcher->Hint({"/nonexistent/fanrun/" + std::to_string(i)});

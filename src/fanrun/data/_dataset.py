@@ -270,7 +270,11 @@ class VolumeDataset(CountedPasses, torch.utils.data.IterableDataset):
 
     def _samples(self, entries: list[int], turn: Turn | None = None) -> Iterator[Any]:
         if turn is not None:
-            turn.wait()  # the workers before this one have made their first batches
+            if self._first_batch_resident(entries):
+                turn.pass_on()  # nothing of the disk to share: no reason to wait
+                turn = None
+            else:
+                turn.wait()  # the workers before this one have made their first batches
         files = self._files
         cache = self._cache.get() if any(self._cached[i] for i in entries) else None
         in_place = self.prefetch > 0 and not all(self._cached[i] for i in entries)
@@ -322,6 +326,13 @@ class VolumeDataset(CountedPasses, torch.utils.data.IterableDataset):
                 turn.release()  # no first batch to make, or no more
             if cache is not None:
                 cache.release_all()
+
+    def _first_batch_resident(self, entries: list[int]) -> bool:
+        """Whether the files of this worker's first batch are local, read in place, and already
+        in the page cache."""
+        first = entries[:self._chunk]
+        return bool(first) and all(not self._cached[i] and _core.LocalPrefetcher.resident(self._files[i].source)
+                                   for i in first)
 
     def _ahead_count(self, entries: list[int]) -> int:
         """How many local files are read ahead: `prefetch`, or fewer for large files, as many
