@@ -59,7 +59,7 @@ CEILING = "ready-batches"
 FILES = 16  # at least ranks x workers, so that every peer's worker has files of its own
 
 
-def make_table(directory: Path, rows: int) -> None:
+def make_table(directory: Path, rows: int, numeric: bool) -> None:
     import numpy
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -70,13 +70,15 @@ def make_table(directory: Path, rows: int) -> None:
     for index in range(FILES):
         first, count = index * per_file, max(0, min(per_file, rows - index * per_file))
         ids = numpy.arange(first, first + count, dtype=numpy.int64)
-        table = pa.table({
+        columns = {
             "id": ids,
             "x": rng.random(count, dtype=numpy.float32),
             "y": rng.random(count, dtype=numpy.float32),
             "label": (ids % 10).astype(numpy.int32),
-            "text": pa.array([f"row {i} of the table" for i in ids.tolist()]),
-        })
+        }
+        if not numeric:
+            columns["text"] = pa.array([f"row {i} of the table" for i in ids.tolist()])
+        table = pa.table(columns)
         pq.write_table(table, directory / f"part-{index:03d}.parquet", row_group_size=65536)
 
 
@@ -138,7 +140,8 @@ def rank_methods(spec: dict) -> dict:
 
     def tensors(record_batch) -> dict:
         out = {c: torch.from_numpy(record_batch.column(c).to_numpy()) for c in numeric}
-        out["text"] = record_batch.column("text").to_pylist()
+        if not spec["numeric"]:
+            out["text"] = record_batch.column("text").to_pylist()
         return out
 
     class PyarrowFiles(torch.utils.data.IterableDataset):
@@ -171,7 +174,8 @@ def rank_methods(spec: dict) -> dict:
         if name == "fanrun":
             from fanrun.data import DataLoader, TableDataset
 
-            return DataLoader(TableDataset(spec["table"], batch_rows=batch), batch_size=None, num_workers=workers)
+            return DataLoader(TableDataset(spec["table"], format="torch", batch_rows=batch), batch_size=None,
+                              num_workers=workers)
         if name == CEILING:
             from fanrun.data import DataLoader
 
@@ -265,6 +269,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--methods", nargs="+", default=["fanrun", CEILING, *PEERS], choices=["fanrun", CEILING, *PEERS])
+    parser.add_argument("--numeric", action="store_true", help="numeric columns only: no text column")
     parser.add_argument("--dir", type=Path, help="keep the table here between runs (default: a temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="a tiny table, one worker: every path runs (its figures mean nothing)")
     args = parser.parse_args()
@@ -274,17 +279,18 @@ def main() -> None:
     from fanrun import distributed
 
     work = args.dir or Path(tempfile.mkdtemp(prefix="fanrun-table-bench-"))
-    table, mds = work / "table", work / "mds"
+    table, mds = work / ("table-numeric" if args.numeric else "table"), work / ("mds-numeric" if args.numeric else "mds")
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"{args.rows} rows, {args.ranks} ranks x {args.workers} workers, batches of {args.batch} rows", flush=True)
     try:
         if not table.exists():
-            make_table(table, args.rows)
+            make_table(table, args.rows, args.numeric)
         notes = {"table MB": table_bytes(table) / 1e6}
         if "streaming" in args.methods and not mds.exists():
             notes["MDS conversion s"] = to_mds(table, mds)
         spec = {"table": str(table), "files": sorted(str(p) for p in table.glob("*.parquet")), "mds": str(mds),
-                "batch": args.batch, "workers": args.workers, "ranks": args.ranks, "rows": args.rows}
+                "batch": args.batch, "workers": args.workers, "ranks": args.ranks, "rows": args.rows,
+                "numeric": args.numeric}
         # CPU ranks, also on a GPU machine: reading is what is measured.
         launch = distributed(num_accelerators=args.ranks, accelerator_type="CPU", tracking=False)(rank_methods)
         parallel = args.ranks * args.workers

@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pyarrow as pa
+import pyarrow.parquet
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pytest
@@ -98,6 +99,39 @@ def test_batches_are_tensors_where_arrow_allows_and_lists_otherwise(parquet):
     assert sorted(ids) == list(range(ROWS))
     vec = torch.cat([b["vec"] for b in batches])
     assert vec[:, 0].tolist() == [float(i) for i in ids] and set(vec[:, 1].tolist()) == {0.5}
+
+
+def test_format_torch_batches_reach_the_rank_from_workers_in_one_shared_memory_block(tmp_path):
+    import numpy
+
+    n = 3000
+    table = pa.table({"id": numpy.arange(n), "flag": numpy.arange(n) % 3 == 0, "half": numpy.ones(n, numpy.float16),
+                      "vec": pa.FixedSizeListArray.from_arrays(pa.array(numpy.arange(2 * n, dtype=numpy.int32)), 2),
+                      "maybe": [None if i % 5 == 0 else i for i in range(n)], "text": [f"row {i}" for i in range(n)]})
+    pa.parquet.write_table(table, tmp_path / "t.parquet", row_group_size=700)
+    dataset = TableDataset(str(tmp_path / "t.parquet"), format="torch", shuffle=False)
+    assert dataset.batch_rows == 1024  # the default batch
+    batches = list(DataLoader(dataset, batch_size=None, num_workers=2))
+    assert sorted(torch.cat([b["id"] for b in batches]).tolist()) == list(range(n))
+    for batch in batches:
+        ids = batch["id"]
+        assert list(batch) == ["id", "flag", "half", "vec", "maybe", "text"]  # the table's order
+        assert batch["flag"].tolist() == (ids % 3 == 0).tolist() and batch["half"].dtype == torch.float16
+        assert batch["vec"].shape == (len(ids), 2) and batch["vec"][:, 1].tolist() == (2 * ids + 1).tolist()
+        assert batch["maybe"] == [None if i % 5 == 0 else i for i in ids.tolist()]  # nulls: a list
+        assert batch["text"] == [f"row {i}" for i in ids.tolist()]
+        tensors = [value for value in batch.values() if isinstance(value, torch.Tensor)]
+        # One block for the whole batch, in shared memory: no tensor was pickled by value.
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1 and all(t.is_shared() for t in tensors)
+
+
+def test_a_format_that_is_not_one_or_rows_with_a_batch_size_is_refused(parquet):
+    with pytest.raises(ValueError, match=r"format must be one of 'rows', 'torch', not 'pandas'"):
+        TableDataset(parquet, format="pandas")
+    with pytest.raises(ValueError, match=r"format='rows' yields one row at a time, so batch_rows=8 has no meaning"):
+        TableDataset(parquet, format="rows", batch_rows=8)
+    assert next(iter(TableDataset(parquet, format="rows", columns=["id"]))).keys() == {"id"}
+    assert TableDataset(parquet, batch_rows=8).format == "torch"
 
 
 def test_a_partition_filter_prunes_files_and_a_missing_column_is_named_with_those_there_are(parquet):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ from . import _split, _table_split
 from ._dataset import _rank_and_world
 from ._cache import check_fetch_timeout, default_cache_dir, parse_byte_size
 from ._passes import CountedPasses
+from ._table_batch import to_columns
 from ._table_remote import PREFETCH_FILES
 from ._table_source import OPEN_FILES, TableSource
 
@@ -35,10 +35,14 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
         groups their statistics do not rule out have those columns read once, when the table
         is opened, to count the rows that pass (docs/tables.md, Filters).
     version: a Delta table's version (default: the latest).
-    batch_rows: None: each item is a row, a dict of column to Python value. A number: each
-        item is up to that many rows, a dict of column to a tensor (numeric columns without
-        nulls, and fixed-size lists of them, shared with Arrow's memory where it allows) or
-        to a list of Python values (any other column).
+    format: "rows": each item is a row, a dict of column to Python value. "torch": each item
+        is a batch of up to batch_rows rows, a dict of column to a tensor (integer, float and
+        boolean columns without nulls, and fixed-size lists of numbers) or to a list of Python
+        values (any other column). From DataLoader workers, a batch's tensors reach the rank
+        in one shared-memory block, never pickled. By default "torch" if batch_rows is given,
+        else "rows".
+    batch_rows: rows per batch of format="torch" (default DEFAULT_BATCH_ROWS). Larger batches
+        deliver more rows a second: each batch costs the DataLoader a fixed hand-over.
     shuffle, seed: each epoch orders the table's row groups by a permutation drawn from
         (seed, epoch); set_epoch() picks it. Rows within a row group keep their order.
     drop_last: every rank reads the same number of rows per epoch; by default a few (fewer than
@@ -58,18 +62,20 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
     """
 
     def __init__(self, uri: str, columns: Sequence[str] | None = None, filter: Any = None, version: int | None = None,
-                 batch_rows: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 batch_rows: int | None = None, format: str | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
                  cache_limit: int | str | None = None, fetch_timeout: float | None = 3600.0) -> None:
         super().__init__()
         check_fetch_timeout(fetch_timeout)
         if batch_rows is not None and (isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1):
             raise ValueError(f"batch_rows must be a positive number of rows or None, not {batch_rows!r}")
+        batch_rows = _batch_rows_of(format, batch_rows)
         self.source = TableSource(uri, columns=columns, filter=filter, version=version, storage_options=storage_options,
                                   cache_dir=os.fspath(cache_dir) if cache_dir is not None else default_cache_dir(),
                                   cache_limit=parse_byte_size(cache_limit), fetch_timeout=fetch_timeout)
         self.fetch_timeout = fetch_timeout
         self.batch_rows = batch_rows
+        self.format = "rows" if batch_rows is None else "torch"
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
@@ -227,10 +233,28 @@ class TableDataset(CountedPasses, torch.utils.data.IterableDataset):
                     table = pa.concat_tables([pending, table])
                 cut = table.num_rows - table.num_rows % self.batch_rows
                 for start in range(0, cut, self.batch_rows):
-                    yield _to_tensors(table.slice(start, self.batch_rows))
+                    yield to_columns(table.slice(start, self.batch_rows))
                 pending = table.slice(cut) if cut < table.num_rows else None
         if pending is not None:
-            yield _to_tensors(pending)
+            yield to_columns(pending)
+
+
+DEFAULT_BATCH_ROWS = 1024
+FORMATS = ("rows", "torch")
+
+
+def _batch_rows_of(format: str | None, batch_rows: int | None) -> int | None:
+    """The rows of each item: None for format="rows", a number for format="torch"."""
+    if format is None:
+        return batch_rows
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(map(repr, FORMATS))}, not {format!r}")
+    if format == "rows":
+        if batch_rows is not None:
+            raise ValueError(f"format='rows' yields one row at a time, so batch_rows={batch_rows} has no meaning there: "
+                             "leave batch_rows out, or ask for format='torch'")
+        return None
+    return batch_rows or DEFAULT_BATCH_ROWS
 
 
 def _files_in_turn(intervals: list[tuple[int, int]], order: list[int], starts: list[int], pieces: list) -> list[int]:
@@ -240,33 +264,3 @@ def _files_in_turn(intervals: list[tuple[int, int]], order: list[int], starts: l
         for at in range(bisect.bisect_right(starts, a) - 1, bisect.bisect_left(starts, b)):
             files.setdefault(pieces[order[at]].file)
     return list(files)
-
-
-def _to_tensors(table) -> dict[str, Any]:
-    """A batch as a dict: tensors where Arrow's memory can be shared (numeric columns without
-    nulls, fixed-size lists of them), copies for booleans, Python lists otherwise."""
-    import numpy
-    import pyarrow as pa
-
-    out: dict[str, Any] = {}
-    for name, column in zip(table.column_names, table.columns):
-        array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-        kind = array.type
-        values = None
-        if array.null_count == 0:
-            if pa.types.is_integer(kind) or pa.types.is_floating(kind):
-                values = array.to_numpy(zero_copy_only=True)
-            elif pa.types.is_boolean(kind):
-                values = array.to_numpy(zero_copy_only=False)
-            elif (pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type))
-                  and array.values.null_count == 0):
-                flat = array.values.slice(array.offset * kind.list_size, len(array) * kind.list_size)
-                values = flat.to_numpy(zero_copy_only=True).reshape(len(array), kind.list_size)
-        if values is None:
-            out[name] = array.to_pylist()
-            continue
-        with warnings.catch_warnings():
-            # Arrow's buffers are read-only; the tensor shares them, as the docs above say.
-            warnings.simplefilter("ignore", UserWarning)
-            out[name] = torch.from_numpy(values) if isinstance(values, numpy.ndarray) else values
-    return out
