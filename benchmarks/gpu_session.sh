@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU sessions behind docs/gpu.md: build fanrun on the GPU machine, then run the named
 # parts (all when none is named), with nvidia-smi after each. Missing Python packages may be
-# given as wheels in .whl/, and MLflow with what it needs in .whl/mlflow/ (for tracking-cost).
+# given as wheels in .whl/, and MLflow with what it needs in .whl/mlflow/ (for tracking-cost);
+# programs in .whl/bin/ (a static fio, for checkpoint) go first on PATH.
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
 #   [checkpoint-tests] [checkpoint] [results] [stall] [health] [restart] [warm-loop] [tracking-cost]
+#   [data] [table]
 # On eight GPUs:
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
 # DRY_RUN=1 prints each step's command instead of running it, and installs nothing (the tests
@@ -26,6 +28,8 @@ if [ -z "${DRY_RUN:-}" ]; then
   fi
   python3 -m pip install -q --no-build-isolation --no-deps . || exit 1
 fi
+# Programs carried along (a static fio for the checkpoint part's disk limit).
+[ -d .whl/bin ] && export PATH="$PWD/.whl/bin:$PATH"
 
 after() {
   echo "--- nvidia-smi after $1"
@@ -86,6 +90,12 @@ for part in $parts; do
     tracking-cost)
       PYTHONPATH=/tmp/site-mlflow:${PYTHONPATH:-} step tracking_cost 420 python3 benchmarks/tracking_cost.py \
         --ranks ${COST_RANKS:-1} --repeat ${REPEAT:-3} --sleeps 0 ${COST_ARGS:-} ;;
+    # The input pipeline on this host's CPUs: VolumeDataset against a plain Dataset over 200 x 10 MB files.
+    data) step data 420 python3 benchmarks/data.py --full --corpora large --dir /tmp/fanrun-data-bench \
+        --methods volume plain "volume, cold disk" "plain, cold disk" ${DATA_ARGS:-} ;;
+    # A table of numeric columns, format="torch", warm and cold, against the disk's O_DIRECT read.
+    table) step table 420 python3 benchmarks/table.py --numeric --rows ${TABLE_ROWS:-40000000} \
+        --batch ${TABLE_BATCH:-65536} --methods fanrun ready-batches pyarrow --dir /tmp/fanrun-table-bench ${TABLE_ARGS:-} ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done
