@@ -202,7 +202,10 @@ def rank_methods(spec: dict) -> dict:
     if name == "streaming":
         import_streaming()
     else:
-        __import__({"fanrun": "fanrun.data", CEILING: "fanrun.data", "pyarrow": "pyarrow.dataset", "hf-datasets": "datasets"}[name])
+        # TableDataset reads with pyarrow.dataset (which imports pandas): imported here too.
+        for module in {"fanrun": ["fanrun.data", "pyarrow.dataset"], CEILING: ["fanrun.data"], "pyarrow": ["pyarrow.dataset"],
+                       "hf-datasets": ["datasets"]}[name]:
+            __import__(module)
     dist.barrier()
     started = time.perf_counter()
     first, count = None, 0
