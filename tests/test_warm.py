@@ -197,6 +197,31 @@ def test_ctrl_c_stops_warm_ranks_and_the_spares_end_with_the_caller(tmp_path):
                      timeout=10) == []
 
 
+EXITING_CALLER = """
+import fanrun
+
+@fanrun.distributed(num_accelerators=1, warm=True)
+def warm():
+    return 1
+
+@fanrun.distributed(num_accelerators=1, keep_alive=True)
+def kept():
+    return 2
+
+print(warm.distributed(), kept.distributed(), flush=True)
+"""
+
+
+def test_a_caller_that_ends_with_spares_and_kept_ranks_stops_them_and_reports_no_leak(tmp_path):
+    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXITING_CALLER)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "FANRUN_TRACKING": "0"})
+    out, err = caller.communicate(timeout=120)
+    assert caller.returncode == 0 and out.strip() == "[1] [2]", err
+    assert "leaked" not in err  # nanobind's report of engine objects alive past the module
+    # Stopped before the caller ended, not afterwards by their parent-death signal.
+    assert processes_with_environment(f"{contract.ENV_SPARE}={caller.pid}".encode()) == []
+
+
 def test_warm_switches_are_checked(monkeypatch, spares):
     with pytest.raises(TypeError, match="warm must be True, False or None"):
         distributed(warm="yes")

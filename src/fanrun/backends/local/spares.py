@@ -11,6 +11,7 @@ directory, the environment, or the packages installed on sys.path."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -230,3 +231,14 @@ def warm(option: bool | None, world_size: int, repeatable: bool) -> bool:
 
 
 POOL = SparePool()
+
+
+def _drop_everything_at_exit() -> None:
+    """The spares and the kept ranks end with the interpreter, stopped and reaped here by their
+    keepers rather than by their parent-death signal afterwards; and no engine object outlives
+    the engine's module, which nanobind would report as leaked on the way out."""
+    POOL.drop()
+    drop_all_kept()
+
+
+atexit.register(_drop_everything_at_exit)
