@@ -1,0 +1,58 @@
+"""The slurm.conf of the local cluster: a controller and two nodes on this one host, each daemon
+on a port of its own on 127.0.0.1, with every file it keeps (state, spool, pids, logs) under the
+cluster's folder. No cgroup.conf: the plugins chosen track and confine nothing through cgroups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NODES = ("node1", "node2")
+CONTROLLER_PORT = 17000
+# node1 listens on 17001, node2 on 17002: two slurmd on one address need a port each.
+NODE_PORTS = "17001-17002"
+CPUS_PER_NODE = 2
+
+TEMPLATE = """\
+ClusterName=fanrun-test
+SlurmctldHost={hostname}(127.0.0.1)
+SlurmctldPort={controller_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+StateSaveLocation={directory}/state
+# %n is the node's name: each slurmd (`slurmd -N node1`) keeps its own spool, pid file and log.
+SlurmdSpoolDir={directory}/spool/%n
+SlurmdPidFile={directory}/slurmd-%n.pid
+SlurmdLogFile={directory}/slurmd-%n.log
+SlurmctldPidFile={directory}/slurmctld.pid
+SlurmctldLogFile={directory}/slurmctld.log
+# No cgroups: processes are tracked by their parents, and tasks are not bound to CPUs.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+# A batch job starts as soon as it is submitted, not at the next of the scheduler's passes 3 s apart.
+SchedulerParameters=batch_sched_delay=0
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+# No mail goes from here, and the default, /bin/mail, is not installed.
+MailProg=/bin/true
+# A node that registers after being marked down (a slow start) comes back idle by itself.
+ReturnToService=2
+# A cancelled task that ignores SIGTERM is killed this soon after it.
+KillWait=5
+NodeName=node[1-2] NodeHostname={hostname} NodeAddr=127.0.0.1 Port=[{node_ports}] CPUs={cpus} RealMemory=2000
+PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def write_slurm_conf(directory: Path, hostname: str, munge_socket: Path) -> Path:
+    path = directory / "slurm.conf"
+    path.write_text(TEMPLATE.format(hostname=hostname, controller_port=CONTROLLER_PORT, munge_socket=munge_socket,
+                                    directory=directory, node_ports=NODE_PORTS, cpus=CPUS_PER_NODE))
+    for name in NODES:
+        (directory / "spool" / name).mkdir(parents=True)
+    (directory / "state").mkdir()
+    return path
