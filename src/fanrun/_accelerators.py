@@ -172,6 +172,8 @@ class Plan:
     # waits for the cluster to fit the run before it says what is missing.
     backend: str = "local"
     placement_timeout_s: float = 60.0
+    # A Slurm call's srun options (slurm=), as (name, value) pairs.
+    slurm: tuple[tuple[str, str], ...] = ()
 
 
 def plan_run(num_accelerators: int | None, request: AcceleratorRequest | None, inventory: Inventory, *,

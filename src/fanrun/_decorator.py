@@ -77,6 +77,7 @@ def distributed(
     nodes: int | None = None,
     backend: str | None = None,
     placement_timeout: float = 60.0,
+    slurm: dict | None = None,
     warm: bool | None = None,
     keep_alive: bool = False,
     detach: bool = False,
@@ -104,6 +105,11 @@ def distributed(
     Ray cluster this process is connected to (fanrun.ray_init()), ``num_accelerators / M`` on
     each. ``backend="ray"`` runs through Ray even on one node, ``backend="local"`` never does.
     A cluster that cannot fit the call within ``placement_timeout`` seconds is an error.
+    ``backend="slurm"`` spreads them over ``nodes`` nodes of a Slurm allocation: the one this process
+    runs in (salloc, sbatch), or, from a login node, one that srun asks Slurm for with the srun
+    options in ``slurm`` (``{"partition": "gpu", "time": "1:00:00", "gres": "gpu:8"}``). Inside an
+    allocation, ``nodes=M`` alone goes to Slurm. The call's run directory must be on storage every
+    node shares (``FANRUN_RUNS_DIR``; docs/slurm.md).
 
     ``warm=True`` takes the ranks from spare interpreters started ahead, with torch and the
     like already imported, and leaves as many for the next call; ``warm=False`` starts them
@@ -187,6 +193,7 @@ def distributed(
         gpus_required=None if gpus is _UNSET else (f"gpus={gpus!r}", f"pass num_accelerators={gpus!r} instead"),
         **_check_tracking(experiment_name, run_id, tracking),
         **_check_cluster(nodes, backend, placement_timeout, num_accelerators),
+        slurm=_check_slurm(slurm, backend),
         warm=warm,
         keep_alive=keep_alive,
         detach=detach,
@@ -196,19 +203,20 @@ def distributed(
         **check_stall(stall_timeout, on_stall),
         **check_health(health, exclude_unhealthy),
     )
-    if keep_alive and (options.backend == "ray" or (options.nodes or 1) > 1):
-        raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; ranks on a Ray "
-                         "cluster start afresh each call: drop keep_alive=True, or nodes= and backend='ray'")
+    if keep_alive and (options.backend in CLUSTER_BACKENDS or (options.nodes or 1) > 1):
+        raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; ranks on a cluster "
+                         "(Ray, Slurm) start afresh each call: drop keep_alive=True, or nodes= and backend=")
     if detach and callable(on_stall):
         raise ValueError("on_stall= a function runs in the calling process, and a detached run goes on in a process "
                          "of its own: pass on_stall='report' or 'abort' with detach=True")
     if detach and keep_alive:
         raise ValueError("detach=True runs each call in a process of its own, which cannot keep this process's ranks "
                          "alive: drop keep_alive=True or detach=True")
-    if detach and (options.backend == "ray" or (options.nodes or 1) > 1):
-        raise ValueError("detach=True runs on this machine; a run over a Ray cluster's nodes outlives its caller as a "
-                         "Ray job: `fanrun submit` a workload file with compute.nodes (docs/detached.md). Here, drop "
-                         "detach=True, or nodes= and backend='ray'")
+    if detach and (options.backend in CLUSTER_BACKENDS or (options.nodes or 1) > 1):
+        raise ValueError("detach=True runs on this machine; a run over a cluster's nodes outlives its caller as a "
+                         "Ray job (`fanrun submit` a workload file with compute.nodes, docs/detached.md) or a Slurm "
+                         "batch job (`sbatch` a script that calls `fanrun run --nodes`). Here, drop detach=True, or "
+                         "nodes= and backend=")
 
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:
         if not callable(fn):
@@ -293,7 +301,19 @@ def _check_tracking(experiment_name: Any, run_id: Any, tracking: Any) -> dict[st
     return {"experiment_name": experiment_name, "run_id": run_id, "tracking": tracking}
 
 
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "slurm")
+CLUSTER_BACKENDS = ("ray", "slurm")
+
+
+def _check_slurm(slurm: Any, backend: Any) -> dict[str, str] | None:
+    if slurm is None:
+        return None
+    if backend not in (None, "slurm"):
+        raise ValueError(f"slurm= gives srun's options, and backend={backend!r} runs without Slurm: drop slurm=, "
+                         f"or pass backend='slurm'")
+    from .backends.slurm.allocation import check_options
+
+    return check_options(slurm)
 
 
 def _check_cluster(nodes: Any, backend: Any, placement_timeout: Any, num_accelerators: Any) -> dict[str, Any]:
@@ -308,10 +328,10 @@ def _check_cluster(nodes: Any, backend: Any, placement_timeout: Any, num_acceler
                 f"must run the same number each: ask for a multiple of {nodes}"
             )
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be None, 'local' or 'ray', not {backend!r}")
+        raise ValueError(f"backend must be None, 'local', 'ray' or 'slurm', not {backend!r}")
     if backend == "local" and nodes not in (None, 1):
         raise ValueError(
-            f"nodes={nodes} spreads the ranks over {nodes} machines, which takes Ray; backend='local' runs on "
+            f"nodes={nodes} spreads the ranks over {nodes} machines, which takes Ray or Slurm; backend='local' runs on "
             f"this machine only: drop one of them"
         )
     if isinstance(placement_timeout, bool) or not isinstance(placement_timeout, numbers.Real) or not placement_timeout > 0:

@@ -69,6 +69,9 @@ class LocalSlurm:
         self.logs = [self.munge.log, directory / "slurmctld.log", directory / "slurmctld.out",
                      *(directory / f"slurmd-{node}{suffix}" for node in NODES for suffix in (".log", ".out"))]
         self.marker = f"{MARKER_VARIABLE}={directory}"
+        # A folder the last node does not share with this machine: its slurmd, and every task it
+        # starts, sees an empty file system of its own there (a mount namespace of its own).
+        self.unshared = directory / "unshared"
         self.env = self._client_environment()
         self._daemons: list[Daemon] = []
 
@@ -88,8 +91,13 @@ class LocalSlurm:
             # The nodes start once the controller answers: a slurmd that finds none retries its
             # registration only seconds later.
             self._wait_until(lambda: self.run(["scontrol", "ping"]).returncode == 0, "slurmctld answering")
-            for node in NODES:
+            for node in NODES[:-1]:
                 self._start_in_foreground(f"slurmd-{node}", "slurmd", "-D", "-N", node, "-f", str(self.conf))
+            self.unshared.mkdir()
+            # unshare execs sh, which execs slurmd: the daemon's pid is the one started here.
+            self._start_in_foreground(f"slurmd-{NODES[-1]}", "unshare", "--mount", "--propagation", "private", "sh",
+                                      "-c", 'mount -t tmpfs fanrun-unshared "$0" && exec "$@"', str(self.unshared),
+                                      "slurmd", "-D", "-N", NODES[-1], "-f", str(self.conf))
             self._wait_until(lambda: self.node_states() == {node: "idle" for node in NODES}, "both nodes idle")
             # Until its first pass, some seconds after it starts, slurmctld's scheduler leaves a
             # batch job pending even on idle nodes (srun and salloc are allocated at once).

@@ -37,6 +37,14 @@ def plan(name: str, options: Options, program: RankProgram, *, payload: bytes | 
                              "Ray starts its ranks afresh: drop keep_alive=True, or call without Ray")
         call_plan = ray_backend.plan(options.num_accelerators, options.accelerator, options.nodes or 1,
                                      options.placement_timeout)
+    elif _backend_for(options) == "slurm":
+        from ..backends import slurm as slurm_backend
+
+        if options.keep_alive:
+            raise ValueError("keep_alive=True keeps the ranks of this machine alive between calls; a call through "
+                             "Slurm starts its ranks afresh: drop keep_alive=True, or call without Slurm")
+        call_plan = slurm_backend.plan(options.num_accelerators, options.accelerator, options.nodes or 1,
+                                       options.slurm or {})
     else:
         inventory = _accelerators.detect()
         call_plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory,
@@ -160,8 +168,10 @@ def _say(text: str) -> None:
 
 
 def _backend_for(options: Options) -> str:
-    """Where this call runs: Ray when asked, or when connected and nodes is given; else here."""
+    """Where this call runs: the backend asked for; else, with nodes given, Ray when connected, or
+    Slurm inside an allocation; else here."""
     from ..backends.ray.connect import is_connected
+    from ..backends.slurm.allocation import in_allocation
 
     if options.backend is not None:
         return options.backend
@@ -171,7 +181,10 @@ def _backend_for(options: Options) -> str:
         return "ray"
     if options.nodes == 1:
         return "local"
+    if in_allocation():
+        return "slurm"
     raise ValueError(
-        f"nodes={options.nodes} spreads the ranks over {options.nodes} machines of a Ray cluster, and this "
-        f"process is connected to none: call fanrun.ray_init() first (or pass backend='ray', which does)"
+        f"nodes={options.nodes} spreads the ranks over {options.nodes} machines, of a Ray cluster or a Slurm "
+        f"allocation, and this process has neither: call fanrun.ray_init() first (or pass backend='ray', which "
+        f"does), or pass backend='slurm' (srun asks Slurm for the nodes) or call from inside an allocation"
     )

@@ -45,6 +45,8 @@ class Options:
     nodes: int | None = None
     backend: str | None = None
     placement_timeout: float = 60.0
+    # srun's options for backend="slurm" (backends/slurm/allocation.py), checked.
+    slurm: dict[str, str] | None = None
     # Ranks from spares started ahead (backends/local/spares.py): None follows FANRUN_WARM, fanrun.warmup(), then the machine's cores.
     warm: bool | None = None
     # The ranks stay alive between the calls of the function (backends/local/spares.py, KeptRanks).

@@ -4,6 +4,9 @@ the launcher (fanrun._launch) drives any of them the same way.
 
   local/         this machine: the engine's supervisor, one keeper per rank, spare and kept ranks
   ray/           the nodes of a Ray cluster: one agent per node runs that node's ranks as local/ does
+  slurm/         the nodes of a Slurm allocation: srun starts one agent per node, as Ray's
+  node_agent.py  what runs one node's ranks of a multi-node call, for ray/ and slurm/
+  node_ranks.py  a multi-node call's ranks as the launcher drives them, for ray/ and slurm/
   metric_relay.py  the host's end of the ranks' metric stream, a socket server that knows nothing of MLflow
   rank_env.py    every rank's environment, for its place among the run's nodes
   stack_dump.py  why a rank cannot dump its stack at a timeout, read on its own machine
@@ -21,6 +24,10 @@ def for_plan(plan) -> Backend:
         from .ray import RayBackend
 
         return RayBackend()
+    if plan.backend == "slurm":
+        from .slurm import SlurmBackend
+
+        return SlurmBackend()
     if plan.nodes != 1:
         raise ValueError(f"a plan of {plan.nodes} nodes needs a cluster backend; this machine runs one node")
     return LocalBackend()

@@ -18,6 +18,15 @@ RANK_DEFAULTS = {
     "PYTHONUNBUFFERED": "1",
 }
 
+# The caller's variables that go to every node's ranks on a cluster: those the call sets
+# (Launch.added), and those that configure the libraries a training function uses. The rest of a
+# rank's environment is its node's own, as the cluster gives it to the agent (PATH, HOME,
+# CUDA_VISIBLE_DEVICES for the node's GPUs).
+FORWARDED_PREFIXES = (
+    "FANRUN_", "MLFLOW_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "CUDA_LAUNCH_BLOCKING", "CUBLAS_",
+    "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "WANDB_", "PYTHONHASHSEED",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class NodeLayout:

@@ -20,17 +20,11 @@ from ..._accelerators import DEFAULT_CPU_RANKS, AcceleratorRequest, Plan
 from ..._errors import AcceleratorMismatchError, NodeEnvironmentError
 from ..._rank import tracking as rank_tracking
 from ..base import Launch
+from ..rank_env import FORWARDED_PREFIXES
 from . import connect, placement
 from .ranks import Node, RayRanks
 from .versions import differences, installed_versions
 
-# The caller's variables that go to every node's ranks: those the call sets (Launch.added), and
-# those that configure the libraries a training function uses. The rest of a rank's environment is its node's own, as Ray gives it to
-# the agent (PATH, HOME, CUDA_VISIBLE_DEVICES for the node's GPUs).
-FORWARDED_PREFIXES = (
-    "FANRUN_", "MLFLOW_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "CUDA_LAUNCH_BLOCKING", "CUBLAS_",
-    "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "WANDB_", "PYTHONHASHSEED",
-)
 # How long the agents may take to start and describe their nodes.
 AGENT_START_S = 120.0
 

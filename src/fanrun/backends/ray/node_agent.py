@@ -1,60 +1,25 @@
-"""NodeAgent: the Ray actor that runs one node's ranks of a call. It starts them with the engine's
-own supervisor, as the local backend does on one machine, so log capture, failure detection,
-stack dumps, result files and the keepers are the same code on every node. Everything that
-happens is kept in an outbox that the caller drains (next_batch), with the node's ranks renamed
-to their global numbers.
+"""The Ray actor on each node of a Ray call: node_agent.py's NodeAgent, which also describes its
+node to the caller.
 
-Ray kills actors, not what they started: each rank runs under a keeper (kept_process.h) that
-kills the rank and everything it started as soon as this process dies, whoever kills it.
+Ray kills actors, not what they started: the keepers under the agent end the ranks when it goes.
 """
 
 from __future__ import annotations
 
-import io
-import os
-import pickle
 import socket
-import sys
-import threading
 
-from ... import _core
-from ..._spec.paths import RunPaths
-from ..local.rendezvous import Rendezvous
-from ..._rank import tracking as rank_tracking
-from ..._rank.contract import ENV_NODE_ID, error_name, log_name, result_name
-from ..._rank.contract import STACK_DUMP_SIGNAL
-from ..metric_relay import MetricRelay
-from .. import stack_dump
-from ..base import KILL_GRACE_S, STACK_DUMP_WAIT_S
-from ..local import KEEPER
-from ..rank_env import NodeLayout, flatten, rank_environment
+from ..node_agent import NodeAgent
 from .versions import installed_versions
 
 # A Ray worker that exits SIGKILLs its child processes, here the ranks' keepers, which then
 # cannot end what the ranks started. Left alone, each keeper sees its agent go and ends all of it.
 AGENT_ENV = {"RAY_kill_child_processes_on_worker_exit": "0"}
 
-# The most of a rank's log that goes back to the caller at the end: beyond it, the log's tail,
-# and the node keeps the whole of it.
-LOG_RETURN_LIMIT = 32 << 20
-# How long one next_batch call may wait for news before it answers with none.
-BATCH_WAIT_S = 30.0
-# How long the ranks' last metrics may take to reach the caller's agent once they have ended.
-RELAY_STOP_S = 30.0
 
-_CANCEL, _KILL = b"c", b"k"
-
-
-class NodeAgent:
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._outbox: list[tuple] = []  # ("events", [...]) and ("metrics", [...]), in order
-        self._finished: dict | None = None
-        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
-        self._rendezvous: Rendezvous | None = None
-        self._relay: MetricRelay | None = None
-        self._supervisor = None
-        self._paths: RunPaths | None = None
+class RayNodeAgent(NodeAgent):
+    # Ray's setting for the agent alone, and the OpenMP threads of a worker that holds every CPU
+    # of the node, which would oversubscribe the cores once per rank.
+    dropped_env = (*AGENT_ENV, "OMP_NUM_THREADS")
 
     def describe(self) -> dict:
         """The node, and the versions that must match the caller's."""
@@ -66,187 +31,3 @@ class NodeAgent:
             "hostname": socket.gethostname(),
             "versions": installed_versions(),
         }
-
-    def hold_rendezvous(self, address: str) -> int:
-        """On node 0: a port on this node's address, held until just before the ranks start, when
-        rank 0 binds it for torch's store."""
-        self._rendezvous = Rendezvous(host_store=False, host=address)
-        return self._rendezvous.port
-
-    def start(self, spec: dict, payload: bytes | None) -> list[int]:
-        """Starts this node's ranks; returns their pids, in rank order."""
-        layout = NodeLayout(**spec["layout"], interface=_interface_towards(spec["master_addr"]))
-        self._first_rank = layout.first_rank
-        self._ranks = range(layout.first_rank, layout.first_rank + layout.local_world_size)
-        self._paths = paths = RunPaths.create(spec["name"], run_id=spec["run_id"])
-        if payload is not None:
-            paths.write_payload(_with_node_sys_path(payload))
-        # The node's environment, less what Ray set for the agent alone: its own setting, and the
-        # OpenMP threads of a worker that holds every CPU of the node, which would oversubscribe
-        # the cores once per rank. The caller's forwarded variables, then fanrun's defaults, apply.
-        env = {key: value for key, value in os.environ.items() if key not in (*AGENT_ENV, "OMP_NUM_THREADS")}
-        env.update(spec["env"])
-        env[ENV_NODE_ID] = spec["node_id"]
-        if spec["tracked"]:
-            # The ranks' MLflow socket is this agent's; what they log goes to the caller with the events.
-            # The ranks' params and tags go on to the caller's relay with the metrics.
-            self._relay = MetricRelay(write=self._forward_metrics, keep_keyed=False)
-            self._relay.start()
-            env[rank_tracking.VARIABLE] = self._relay.path
-        rendezvous = {"MASTER_ADDR": spec["master_addr"], "MASTER_PORT": str(spec["master_port"])}
-        argv = list(spec["argv"])
-        if spec["python"]:
-            argv[0] = sys.executable  # this node's own interpreter, wherever it is installed
-        cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else os.getcwd()
-        if self._rendezvous is not None:
-            self._rendezvous.release_port_for_ranks()
-        self._supervisor = _core.Supervisor.start(_core.SupervisorOptions(
-            ranks=[_core.RankOptions(argv=argv, env=flatten(rank_environment(env, layout, rank, rendezvous, paths)),
-                                     cwd=cwd, log_path=str(paths.log(rank)))
-                   for rank in self._ranks],
-            keeper_path=KEEPER,
-            timeout_s=spec["timeout_s"],
-            kill_grace_s=KILL_GRACE_S,
-            stack_dump_signal=int(STACK_DUMP_SIGNAL) if spec["python"] else 0,
-            stack_dump_wait_s=STACK_DUMP_WAIT_S,
-            wakeup_fd=self._wake_read,
-            expect_done=payload is not None,
-        ))
-        threading.Thread(target=self._pump, name="fanrun-node-pump", daemon=True).start()
-        return [self._supervisor.pid(local) for local in range(layout.local_world_size)]
-
-    def publish(self, answer: dict) -> None:
-        """The call's MLflow run, for this node's ranks: what the caller's agent told the caller."""
-        if self._relay is not None:
-            self._relay.publish(answer)
-
-    def cancel(self) -> None:
-        os.write(self._wake_write, _CANCEL)
-
-    def kill(self) -> None:
-        os.write(self._wake_write, _KILL)
-
-    def next_batch(self) -> tuple[list[tuple], dict | None]:
-        """(what happened since the last call, the node's end once everything before it is taken)."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._outbox or self._finished is not None, timeout=BATCH_WAIT_S)
-            batch, self._outbox = self._outbox, []
-            return batch, self._finished
-
-    def _pump(self) -> None:
-        try:
-            finished = self._follow_ranks()
-        except BaseException as error:  # a fault of fanrun's: the ranks go, and the caller hears why
-            self._supervisor.kill_and_reap()
-            finished = {"agent_error": f"{type(error).__name__}: {error}"}
-        with self._changed:
-            self._finished = finished
-            self._changed.notify_all()
-
-    def _follow_ranks(self) -> dict:
-        supervisor = self._supervisor
-        while True:
-            events, interrupted, done = supervisor.wait(-1.0)
-            if interrupted:
-                commands = os.read(self._wake_read, 64)
-                if _KILL in commands:
-                    supervisor.kill_and_reap()
-                elif _CANCEL in commands:
-                    supervisor.cancel()
-            # Pickled to the caller (_core.Event pickles), each rank renumbered among the run's.
-            global_events = [event.with_rank(event.rank + self._first_rank) if event.rank >= 0 else event
-                             for event in events]
-            obstacles = {}
-            if any(event.kind == _core.EventKind.TIMED_OUT for event in events):
-                for local in supervisor.ranks_running_at_timeout:
-                    obstacle = stack_dump.obstacle(supervisor.pid(local), STACK_DUMP_SIGNAL)
-                    if obstacle is not None:
-                        obstacles[local + self._first_rank] = obstacle
-            if global_events or obstacles:
-                self._post(("events", global_events, obstacles))
-            if done:
-                break
-        if self._relay is not None:
-            self._relay.stop(RELAY_STOP_S)  # its last values are posted before the end
-        return self._ending(supervisor)
-
-    def _ending(self, supervisor) -> dict:
-        first = self._first_rank
-        reason = supervisor.stop_reason
-        ending = {
-            "stop_reason": reason,
-            "first_failed_rank": supervisor.first_failed_rank + first if reason == _core.StopReason.RANK_FAILED else -1,
-            "running_at_timeout": [local + first for local in supervisor.ranks_running_at_timeout],
-            "exits": {rank: supervisor.exit_status(rank - first) for rank in self._ranks},
-            "files": {},
-        }
-        # The markers a rank leaves when what it logged to MLflow was dropped (the call was not
-        # tracked, or this node cannot see the caller's store): the caller says so once.
-        names = [rank_tracking.DROPPED_MARKER, rank_tracking.UNREACHABLE_MARKER]
-        for rank in self._ranks:
-            names += [result_name(rank), error_name(rank), log_name(rank)]
-        for name in names:
-            data = _read(self._paths.directory / name, LOG_RETURN_LIMIT if name.endswith(".log") else None)
-            if data is not None:
-                ending["files"][name] = data
-        self._paths.remove_bulky_files(first + len(self._ranks))
-        self._paths.close()
-        return ending
-
-    def _forward_metrics(self, records: list) -> None:
-        self._post(("metrics", records))
-
-    def _post(self, item: tuple) -> None:
-        with self._changed:
-            self._outbox.append(item)
-            self._changed.notify_all()
-
-
-def _read(path, limit: int | None) -> bytes | None:
-    try:
-        with open(path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            if limit is not None and size > limit:
-                file.seek(size - limit)
-                note = f"[fanrun: the first {size - limit} bytes of this log are on its node, in {path}]\n"
-                return note.encode() + file.read()
-            return file.read()
-    except FileNotFoundError:
-        return None
-
-
-def _with_node_sys_path(payload: bytes) -> bytes:
-    """The payload, its header's sys.path extended with this node's own entries: the caller's come
-    first (a notebook's folder), and this node's installation is still found where it differs."""
-    stream = io.BytesIO(payload)
-    header = pickle.load(stream)
-    caller_path = list(header["sys_path"])
-    header["sys_path"] = caller_path + [entry for entry in sys.path if entry not in caller_path]
-    return pickle.dumps(header) + payload[stream.tell():]
-
-
-def _interface_towards(address: str) -> str:
-    """The name of this node's network interface that reaches `address` (node 0's)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((address, 9))  # a datagram socket only picks its route: nothing is sent
-        local = probe.getsockname()[0]
-    for _index, name in socket.if_nameindex():
-        if _address_of(name, family) == local:
-            return name
-    return "lo" if local.startswith("127.") or local == "::1" else ""
-
-
-def _address_of(interface: str, family: int) -> str | None:
-    if family != socket.AF_INET:
-        return None
-    import fcntl
-    import struct
-
-    SIOCGIFADDR = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
-        try:
-            answer = fcntl.ioctl(query.fileno(), SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(answer[20:24])

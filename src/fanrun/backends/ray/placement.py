@@ -37,9 +37,9 @@ def start_agents(ray, group, nodes: int, ranks_per_node: int, use_gpus: bool) ->
     """One NodeAgent per bundle: agent i runs node i's ranks, with the bundle's resources."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from .node_agent import AGENT_ENV, NodeAgent
+    from .node_agent import AGENT_ENV, RayNodeAgent
 
-    agent_class = ray.remote(NodeAgent)
+    agent_class = ray.remote(RayNodeAgent)
     resources = {"num_gpus": ranks_per_node, "num_cpus": 0} if use_gpus else {"num_cpus": ranks_per_node}
     return [
         agent_class.options(

@@ -1,0 +1,203 @@
+"""NodeRanks: a call's ranks over several nodes, as the launcher drives them (base.py's Ranks),
+whatever carries each node's news: one agent per node runs its ranks with the engine's own
+supervisor (node_agent.py) and reports their events with global rank numbers. wait() merges the
+nodes' news, in the order it comes, into the events of one run, and stops every other node at the
+first failure or the loss of a node. The files the nodes send back at their end (results, error
+envelopes, logs) are written into the caller's run directory, so the outcome reads them as it
+reads a local run's. A backend's subclass posts each node's news (_post) and carries commands to
+its agents (_command)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import select
+import signal
+import time
+
+from .. import _core
+from .._errors import NodeLostError
+from .._spec.paths import RunPaths
+
+# As within a node (the engine's supervisor): a rank killed by a signal that no supervisor sent
+# (the OOM killer's SIGKILL, a SIGSEGV), seen this soon after a rank on another node failed, is
+# the root cause, since its peers' collectives fail the moment its connections drop. The
+# supervisors' own SIGKILL comes KILL_GRACE_S after their SIGTERM, well outside this. (A node's
+# supervisor knows the SIGKILLs it sent, and waits longer: 6 s.)
+PEER_FAILURE_WINDOW_S = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    rank: int  # node 0 holds ranks 0 .. per_node - 1
+    node_id: str  # the cluster's own name for it (Ray's node id, Slurm's node name)
+    address: str
+    hostname: str
+
+    def describe(self) -> str:
+        return f"node {self.rank} ({self.address})"
+
+
+class NodeRanks:
+    # How the cluster names a lost node, for messages ("Ray node id", "Slurm node").
+    node_id_label = "node id"
+
+    def __init__(self, nodes: list[Node], ranks_per_node: int, pids: list[int], paths: RunPaths,
+                 wakeup_fd: int, link=None) -> None:
+        self._link = link  # where the ranks' MLflow records go on to the caller's agent (metric_link.py)
+        self._nodes = nodes
+        self._per_node = ranks_per_node
+        self._pids = pids
+        self._paths = paths
+        self._wakeup_fd = wakeup_fd
+        self.world_size = len(nodes) * ranks_per_node
+        self.stop_reason = _core.StopReason.NONE
+        self.first_failed_rank = -1
+        self._first_failure_at = 0.0
+        self.ranks_running_at_timeout: list[int] = []
+        self.failure: BaseException | None = None
+        self._exits: dict[int, tuple[int, int] | None] = {}
+        self._obstacles: dict[int, str] = {}
+        self._ended: set[int] = set()  # nodes finished or lost
+        self._timeout_reported = False
+        self._closed = False
+        self._news: queue.SimpleQueue = queue.SimpleQueue()
+        self._news_read, self._news_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+    def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0):  # each node's news as it comes
+        if self._news.empty():
+            select.select([self._news_read, self._wakeup_fd], [], [], None if max_wait_s < 0 else max_wait_s)
+        interrupted = bool(select.select([self._wakeup_fd], [], [], 0)[0])  # the launcher drains it
+        try:
+            os.read(self._news_read, 1 << 16)
+        except BlockingIOError:
+            pass
+        events: list = []
+        while True:
+            try:
+                item = self._news.get_nowait()
+            except queue.Empty:
+                break
+            self._take(item, events)
+        return events, interrupted, len(self._ended) == len(self._nodes)
+
+    def cancel(self) -> None:
+        if self.stop_reason == _core.StopReason.NONE and self.failure is None:
+            self.stop_reason = _core.StopReason.CANCELLED
+        self._tell_others("cancel", stopped=None)
+
+    def pid(self, rank: int) -> int:
+        return self._pids[rank]
+
+    def exit_status(self, rank: int) -> tuple[int, int] | None:
+        return self._exits.get(rank)
+
+    def location(self, rank: int) -> str:
+        node = self._nodes[rank // self._per_node]
+        return f"pid {self.pid(rank)} on {node.describe()}"
+
+    def stack_dump_obstacle(self, rank: int) -> str | None:
+        return self._obstacles.get(rank)
+
+    def _post(self, item: tuple) -> None:
+        if self._closed:
+            return
+        self._news.put(item)
+        try:
+            os.write(self._news_write, b"n")
+        except (BlockingIOError, OSError):
+            pass  # full: wait() is due to read it anyway; closed: the run is over
+
+    def _take(self, item: tuple, events: list) -> None:
+        kind, node, body = item
+        if node in self._ended:
+            return
+        if kind == "batch":
+            for entry in body:
+                if entry[0] == "metrics":
+                    if self._link is not None:
+                        self._link.forward(entry[1])
+                else:
+                    self._take_events(node, entry[1], entry[2], events)
+        elif kind == "ended" and "agent_error" not in body:
+            self._take_ending(node, body)
+        elif kind == "ended":
+            self._lose(node, f"its agent failed ({body['agent_error']}) and stopped them")
+        else:  # "lost": why, in words
+            self._lose(node, body)
+
+    def _lose(self, node: int, why: str) -> None:
+        """A node gone, with its ranks: the root cause unless a rank failed before; the others stop."""
+        self._ended.add(node)
+        lost = self._nodes[node]
+        ranks = list(range(node * self._per_node, (node + 1) * self._per_node))
+        if self.failure is None and self.stop_reason in (_core.StopReason.NONE, _core.StopReason.CANCELLED):
+            self.failure = NodeLostError(
+                f"{lost.describe()} was lost mid-call ({self.node_id_label} {lost.node_id}, host {lost.hostname}): {why}. "
+                f"Ranks {ranks[0]}-{ranks[-1]} ran there; the other nodes' ranks were stopped.",
+                node_rank=node, node_id=lost.node_id, address=lost.address, ranks=ranks,
+            )
+        self._tell_others("cancel", stopped=node)
+
+    def _take_events(self, node: int, node_events: list, obstacles: dict, events: list) -> None:
+        self._obstacles.update(obstacles)
+        for event in node_events:
+            kind, rank = event.kind, event.rank
+            if kind == _core.EventKind.RANK_EXITED:
+                status = (event.exit_code, event.signal)
+                self._exits[rank] = status
+                # As its node's supervisor counts it: a failure, unless the run was stopping already.
+                if status != (0, 0) and self.stop_reason == _core.StopReason.NONE:
+                    self._first_failure(node, rank)
+                if self._killed_from_outside_just_after_the_first_failure(rank, status):
+                    self.first_failed_rank = rank
+            elif kind == _core.EventKind.RANK_FAILED:
+                self._first_failure(node, rank)
+            elif kind == _core.EventKind.TIMED_OUT:
+                if self._timeout_reported:
+                    continue  # each node's timeout strikes; the run's is reported once
+                self._timeout_reported = True
+                if self.stop_reason == _core.StopReason.NONE:
+                    self.stop_reason = _core.StopReason.TIMEOUT
+            events.append(event)
+
+    def _take_ending(self, node: int, ending: dict) -> None:
+        self._ended.add(node)
+        for name, data in ending["files"].items():
+            self._paths.write_file(name, data)
+        self._exits.update(ending["exits"])
+        self.ranks_running_at_timeout = sorted({*self.ranks_running_at_timeout, *ending["running_at_timeout"]})
+        reason = ending["stop_reason"]
+        if reason == _core.StopReason.RANK_FAILED:
+            self._first_failure(node, ending["first_failed_rank"])
+        elif reason == _core.StopReason.TIMEOUT and self.stop_reason in (_core.StopReason.NONE, _core.StopReason.CANCELLED):
+            self.stop_reason = _core.StopReason.TIMEOUT
+
+    def _first_failure(self, node: int, rank: int) -> None:
+        """The first rank to fail anywhere is the root cause; every other node is stopped now."""
+        if self.failure is not None or self.stop_reason in (_core.StopReason.RANK_FAILED, _core.StopReason.TIMEOUT):
+            return
+        self.stop_reason = _core.StopReason.RANK_FAILED
+        self.first_failed_rank = rank
+        self._first_failure_at = time.monotonic()
+        self._tell_others("cancel", stopped=node)
+
+    def _killed_from_outside_just_after_the_first_failure(self, rank: int, status: tuple[int, int]) -> bool:
+        signo = status[1]
+        return (self.stop_reason == _core.StopReason.RANK_FAILED and self.failure is None
+                and rank != self.first_failed_rank and signo not in (0, signal.SIGTERM)
+                and time.monotonic() - self._first_failure_at <= PEER_FAILURE_WINDOW_S)
+
+    def _tell_others(self, command: str, stopped: int | None) -> None:
+        for node in range(len(self._nodes)):
+            if node != stopped and node not in self._ended:
+                self._command(node, command)
+
+    def _command(self, node: int, command: str) -> None:
+        """Carries "cancel" or "kill" to the node's agent."""
+        raise NotImplementedError
+
+    def _close_news(self) -> None:
+        os.close(self._news_read)
+        os.close(self._news_write)

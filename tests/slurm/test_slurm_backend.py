@@ -1,0 +1,133 @@
+"""The Slurm backend on the local two-node cluster: a call from outside an allocation (srun asks
+Slurm for the nodes, as from a login node), results and every rank's environment over 2 nodes x 2
+CPU ranks, a rank on node 2 raising, a run directory that a node does not share, scancel mid-run,
+and the caller killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from fanrun import NodeEnvironmentError, NodeLostError, distributed
+from processes import processes_with_environment, wait_gone
+
+CALL_TIMEOUT_S = 120.0
+
+
+@pytest.fixture
+def slurm(slurm_cluster, monkeypatch, tmp_path):
+    """This process as a login node of the cluster: its clients' environment, and a runs root every
+    node sees (they all run on this machine)."""
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FANRUN_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("FANRUN_TRACKING", "0")
+    yield slurm_cluster
+    # A step's slurmstepd ends moments after its srun.
+    assert wait_gone([pid for pid, _ in slurm_cluster.job_processes()], timeout=10) == []
+
+
+def describe(tag):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "SLURMD_NODENAME")
+    return {"tag": tag, "sum": total.item(), **{key: os.environ.get(key) for key in keys}}
+
+
+def test_two_nodes_of_two_ranks_return_in_rank_order_with_each_ranks_environment(slurm):
+    results = distributed(num_accelerators=4, nodes=2, backend="slurm", accelerator_type="CPU")(describe).distributed("x")
+    assert [r["RANK"] for r in results] == ["0", "1", "2", "3"]
+    assert {r["sum"] for r in results} == {6.0} and {r["tag"] for r in results} == {"x"}
+    assert [r["LOCAL_RANK"] for r in results] == ["0", "1", "0", "1"]
+    assert [r["NODE_RANK"] for r in results] == ["0", "0", "1", "1"]
+    assert [r["SLURMD_NODENAME"] for r in results] == ["node1", "node1", "node2", "node2"]
+    assert {r["WORLD_SIZE"] for r in results} == {"4"} and {r["LOCAL_WORLD_SIZE"] for r in results} == {"2"}
+    assert {r["MASTER_ADDR"] for r in results} == {"127.0.0.1"}  # node1's NodeAddr
+
+
+def fail_on_node_2():
+    import os
+    import time
+
+    if os.environ["RANK"] == "3":
+        raise KeyError("rank 3 has no such key")
+    time.sleep(60)  # the others are stopped, not waited for
+
+
+def test_a_rank_on_node_2_raising_reaches_the_caller_with_its_type_and_every_node_stops(slurm):
+    started = time.monotonic()
+    with pytest.raises(KeyError, match="rank 3 has no such key"):
+        distributed(num_accelerators=4, nodes=2, backend="slurm", accelerator_type="CPU")(fail_on_node_2).distributed()
+    assert time.monotonic() - started < 45
+
+
+def test_a_run_directory_a_node_does_not_share_is_named_before_any_rank_starts(slurm, monkeypatch):
+    # node2 sees an empty file system of its own there (cluster.py)
+    monkeypatch.setenv("FANRUN_RUNS_DIR", str(slurm.unshared / "runs"))
+    with pytest.raises(NodeEnvironmentError, match=r"is not on storage that node 1 \(node2, .*FANRUN_RUNS_DIR"):
+        distributed(num_accelerators=2, nodes=2, backend="slurm", accelerator_type="CPU")(describe).distributed("x")
+
+
+SLEEPER = """
+import os, sys, time
+from fanrun import distributed
+
+def sleep():
+    import os, time
+    print("up", os.getpid(), flush=True)
+    time.sleep(300)
+
+try:
+    distributed(num_accelerators=2, nodes=2, backend="slurm", accelerator_type="CPU")(sleep).distributed()
+except Exception as error:
+    print("raised", type(error).__name__, error, flush=True)
+"""
+
+
+def start_sleeper(tmp_path):
+    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SLEEPER)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    ranks = []
+    while len(ranks) < 2:
+        line = caller.stdout.readline()
+        assert line, caller.stderr.read()
+        if "up " in line:
+            ranks.append(int(line.split()[-1]))
+    return caller, ranks
+
+
+def test_scancel_mid_run_names_the_lost_node_and_leaves_no_rank(slurm, tmp_path):
+    caller, ranks = start_sleeper(tmp_path)
+    try:
+        jobs = slurm.run(["squeue", "--noheader", "--format=%i"]).stdout.split()
+        assert len(jobs) == 1, jobs
+        slurm.run(["scancel", jobs[0]])
+        out, err = caller.communicate(timeout=CALL_TIMEOUT_S)
+    finally:
+        caller.kill()
+    assert "raised NodeLostError" in out and "Slurm stopped its agent and ranks with SIGTERM" in out, out + err
+    assert wait_gone(ranks, timeout=10) == []
+
+
+def test_the_caller_killed_with_sigkill_leaves_no_process_on_any_node(slurm, tmp_path):
+    caller, ranks = start_sleeper(tmp_path)
+    caller.kill()
+    caller.communicate(timeout=30)
+    assert wait_gone(ranks, timeout=30) == []
+    deadline = time.monotonic() + 30
+    while slurm.job_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)  # slurmstepd ends the step once srun is gone
+    assert slurm.job_processes() == []
