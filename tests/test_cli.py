@@ -120,7 +120,8 @@ def test_nproc_per_node_cpu_is_one_rank_per_core(tmp_path):
 
 def test_torchrun_flags_that_cannot_apply_name_what_to_do():
     cases = {
-        ("--nnodes=2",): "--nnodes 2: fanrun run starts the ranks of this machine only",
+        ("--nnodes=2",): "--nnodes 2: fanrun run starts the ranks of one machine, or with --nodes M",
+        ("--nodes=2",): "--nodes 2 runs on the nodes of a Slurm allocation, and this shell is in none",
         ("--master_port=29500",): "fanrun picks and holds a free port",
         ("--master-addr", "10.0.0.1"): "drop --master-addr",
         ("--max-restarts=-1",): "--max-restarts must be a whole number of restarts, 0 or more, not '-1'",

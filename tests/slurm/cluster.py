@@ -147,7 +147,7 @@ class LocalSlurm:
 
     def run(self, command: list[str], **kwargs) -> subprocess.CompletedProcess:
         """Runs a client (srun, sbatch, salloc, scontrol, scancel...) against this cluster."""
-        return subprocess.run(command, env=self.env, capture_output=True, text=True,
+        return subprocess.run(command, env=kwargs.pop("env", self.env), capture_output=True, text=True,
                               timeout=kwargs.pop("timeout", CLIENT_TIMEOUT_S), **kwargs)
 
     def processes(self) -> list[tuple[int, str]]:

@@ -5,8 +5,9 @@ and the caller killed with SIGKILL."""
 
 from __future__ import annotations
 
+import json
 import os
-import signal
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,8 +15,8 @@ import time
 
 import pytest
 
-from fanrun import NodeEnvironmentError, NodeLostError, distributed
-from processes import processes_with_environment, wait_gone
+from fanrun import NodeEnvironmentError, distributed
+from processes import wait_gone
 
 CALL_TIMEOUT_S = 120.0
 
@@ -131,3 +132,43 @@ def test_the_caller_killed_with_sigkill_leaves_no_process_on_any_node(slurm, tmp
     while slurm.job_processes() and time.monotonic() < deadline:
         time.sleep(0.2)  # slurmstepd ends the step once srun is gone
     assert slurm.job_processes() == []
+
+
+IN_ALLOCATION = """
+import json, os
+from fanrun import distributed
+
+def where():
+    import os
+    return os.environ["RANK"], os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]
+
+print(json.dumps(distributed(nodes=2, accelerator_type="CPU")(where).distributed()), flush=True)
+"""
+
+
+def test_a_call_inside_salloc_runs_on_its_allocation_with_nodes_alone(slurm, tmp_path):
+    done = slurm.run(["salloc", "--nodes=2", sys.executable, "-c", textwrap.dedent(IN_ALLOCATION)], cwd=tmp_path,
+                     env={**slurm.env, **_fanrun_env()})
+    assert done.returncode == 0, done.stderr
+    granted = re.search(r"Granted job allocation (\d+)", done.stderr)
+    ranks = json.loads(done.stdout.strip().splitlines()[-1])
+    # 2 CPU processes a node by default, each a step of the allocation salloc was granted.
+    assert ranks == [["0", "node1", granted[1]], ["1", "node1", granted[1]], ["2", "node2", granted[1]],
+                     ["3", "node2", granted[1]]], done.stderr
+
+
+def test_the_cli_in_an_sbatch_job_runs_the_script_on_both_nodes(slurm, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'on', "
+                      "os.environ['SLURMD_NODENAME'], flush=True)\n")
+    output = tmp_path / "job.out"
+    done = slurm.run(["sbatch", "--wait", "--nodes=2", f"--output={output}", "--wrap",
+                      f"{sys.executable} -m fanrun run --nodes 2 -n 1 {script}"], cwd=tmp_path,
+                     env={**slurm.env, **_fanrun_env()})
+    assert done.returncode == 0, done.stderr + output.read_text()
+    lines = output.read_text().splitlines()
+    assert "[rank0]: rank 0 of 2 on node1" in lines and "[rank1]: rank 1 of 2 on node2" in lines, lines
+
+
+def _fanrun_env() -> dict[str, str]:
+    return {key: os.environ[key] for key in ("FANRUN_RUNS_DIR", "FANRUN_TRACKING")}

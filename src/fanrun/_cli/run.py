@@ -30,6 +30,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      "(default: every GPU, or %d CPU processes)" % _accelerators.DEFAULT_CPU_RANKS)
     run.add_argument("--accelerator-type", default=None, metavar="TYPE",
                      help="the machine type to expect, such as GPU_8xH100, or CPU to run CPU processes")
+    run.add_argument("--nodes", type=int, default=None, metavar="M",
+                     help="inside a Slurm allocation (salloc, sbatch): run on M of its nodes, -n ranks on each "
+                     "(default: each node's GPUs, or %d CPU processes)" % _accelerators.DEFAULT_CPU_RANKS)
     run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                      help="seconds before every rank is stopped (default: 3 hours; 0: none)")
     kind = run.add_mutually_exclusive_group()
@@ -41,6 +44,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run_flags.add_flags(run)
 
 
+def _slurm_nodes(options: argparse.Namespace) -> dict:
+    """--nodes M: the call's nodes and backend, inside a Slurm allocation only."""
+    if options.nodes is None or options.nodes == 1:
+        return {}
+    if options.nodes < 1:
+        raise ValueError(f"--nodes must be at least 1, not {options.nodes}")
+    from ..backends.slurm.allocation import in_allocation
+
+    if not in_allocation():
+        raise ValueError(
+            f"--nodes {options.nodes} runs on the nodes of a Slurm allocation, and this shell is in none "
+            f"(SLURM_JOB_ID is not set): run `salloc --nodes={options.nodes} fanrun run --nodes {options.nodes} ...`, "
+            f"or sbatch a script that runs it")
+    if options.detach:
+        raise ValueError("--detach runs on this machine; on Slurm, sbatch the script that runs fanrun run --nodes")
+    return {"nodes": options.nodes, "backend": "slurm"}
+
+
 def main(options: argparse.Namespace) -> int:
     try:
         torchrun_flags.check_flags(options)
@@ -49,11 +70,14 @@ def main(options: argparse.Namespace) -> int:
         if count is not None and count < 1:
             raise ValueError(f"-n must be at least 1, not {count}")
         accelerator_type = "CPU" if cpu and options.accelerator_type is None else options.accelerator_type
+        cluster = _slurm_nodes(options)
+        if cluster and count is not None:
+            count *= options.nodes  # -n is per node, as torchrun's --nproc-per-node
         asked = Options(num_accelerators=count, accelerator=_accelerators.parse_accelerator_type(accelerator_type),
                         timeout=options.timeout if options.timeout and options.timeout > 0 else None,
                         max_restarts=torchrun_flags.max_restarts(options), detach=options.detach,
                         **run_flags.display(options), **run_flags.stall(options),
-                        **run_flags.tracking(options), **run_flags.health(options))
+                        **run_flags.tracking(options), **run_flags.health(options), **cluster)
         if not options.no_python and not options.module and not os.path.isfile(options.target):
             raise FileNotFoundError(f"the script {options.target!r} does not exist (working directory {os.getcwd()}); "
                                     f"use -m for a module, or --no-python for a program")

@@ -59,8 +59,8 @@ def check_flags(options: argparse.Namespace) -> None:
         if getattr(options, _dest(flag)) is not None:
             raise ValueError(f"{flag} is torchrun's: {why}")
     if options.nnodes is not None and options.nnodes.strip() not in ("1", "1:1"):
-        raise ValueError(f"--nnodes {options.nnodes}: fanrun run starts the ranks of this machine only; "
-                         f"run it with --nnodes 1 (or without it)")
+        raise ValueError(f"--nnodes {options.nnodes}: fanrun run starts the ranks of one machine, or with --nodes M "
+                         f"those of M nodes of a Slurm allocation; run it with --nnodes 1, or --nodes")
     if options.node_rank is not None and options.node_rank.strip() != "0":
         raise ValueError(f"--node-rank {options.node_rank}: fanrun run is one node, rank 0; drop --node-rank")
     if options.start_method is not None and options.start_method.strip() != "spawn":
