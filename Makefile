@@ -9,6 +9,8 @@ SOURCES := $(shell find cpp src -type f -not -name '*.pyc') CMakeLists.txt pypro
 # The engine's tests: warnings are errors, AddressSanitizer and UndefinedBehaviorSanitizer on.
 CPP_TEST_BUILD := build/cpp-tests
 # libcurl, the engine's HTTP client, comes from Debian's package, installed before anything builds.
+# benchmarks/slurm.py's smoke run (in test-python) and tests/slurm start a two-node Slurm here.
+NEED_SLURM = dpkg -s slurmd munge >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq slurm-wlm munge)
 NEED_LIBCURL = @dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libcurl4-openssl-dev)
 
 .PHONY: setup demo test test-cpp test-python test-slurm wheel clean
@@ -36,7 +38,7 @@ $(INSTALLED): $(PY) $(SOURCES)
 demo: setup
 	$(PY) examples/ddp_demo.py
 
-test: test-cpp test-python
+test: test-cpp test-python test-slurm
 
 # GoogleTest comes from Debian's package; CMake cannot download anything here.
 test-cpp: setup
@@ -49,18 +51,19 @@ test-cpp: setup
 # nginx serves the remote source of the data tests, Chromium renders the live panel as a person
 # sees it, tmux holds the terminal its test reads: Debian's packages, like GoogleTest.
 # The Ray tests run in a network namespace of their own, with loopback alone (tests/ray/netns.py);
-# the Slurm tests run from test-slurm.
+# the Slurm tests run from test-slurm (Debian's slurm-wlm and munge, installed here for benchmarks/slurm.py too).
 test-python: setup
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || (apt-get update -qq && apt-get install -y -qq nginx-light)
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium)
 	@command -v tmux >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq tmux)
+	@$(NEED_SLURM)
 	$(PY) -m pytest tests --ignore=tests/ray --ignore=tests/slurm --durations=15
 	$(PY) tests/ray/netns.py $(PY) -m pytest tests/ray --durations=5
 
 # A real two-node Slurm cluster on this machine (tests/slurm/cluster.py), from Debian's packages,
 # in a network namespace of its own with loopback alone, as for the Ray tests.
 test-slurm: setup
-	@dpkg -s slurmd munge >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq slurm-wlm munge)
+	@$(NEED_SLURM)
 	$(PY) tests/ray/netns.py $(PY) -m pytest tests/slurm --durations=5
 
 # The wheels users install: cp311, and one abi3 wheel for Python 3.12 on where such a Python is

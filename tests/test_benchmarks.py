@@ -45,6 +45,8 @@ SMOKE_RUNS = {
     "restart.py": ([], ["seconds from the death of rank 1 to the next attempt's first step", "  fanrun keep ",
                         "  fanrun fresh ", "Goal: a kept restart within 2 s: "]),
     "results.py": ([], ["cost of returning s", "torch.save+load s", "Goal: returning costs at most 1.5x"]),
+    "slurm.py": ([], ["Whole call over 2 Slurm nodes x 2 gloo ranks", "  fanrun ", "  srun torchrun ", "Goals:",
+                      "fanrun/srun torchrun <= 0.8"]),
     "stall.py": ([], ["(a) Detection latency", "| rank 1 sleeps in its Dataset |", "| rank 1 skips a collective |",
                       "(b) Observation cost", "watched/not watched:", "(c) torch alone", "default_pg_timeout", "Goals:"]),
     "table.py": ([], ["rows/s", "fanrun, cold", "ready-batches", "pyarrow", "hf-datasets", "streaming", "ray-data", "Goals:",
@@ -56,8 +58,9 @@ SMOKE_RUNS = {
     "warm_loop.py": ([], ["| ranks sleep s | calls | first | median | slowest | median/first | goal |", "| 0 | warm |",
                           "| 0 | kept |", "Goal: warm calls' median at most 1.2x the first warm call: "]),
 }
-# A Ray cluster binds to the machine's address, unless it runs where loopback alone is up.
-IN_A_NETWORK_NAMESPACE = {"ray.py", "ray_gpu.py", "table.py"}
+# A Ray cluster binds to the machine's address, unless it runs where loopback alone is up; the
+# Slurm cluster's daemons listen on loopback there too.
+IN_A_NETWORK_NAMESPACE = {"ray.py", "ray_gpu.py", "table.py", "slurm.py"}
 # gpu_session.sh drives the GPU machine itself; test_gpu_session_steps_exist checks it.
 NOT_PYTHON = {"gpu_session.sh"}
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from fanrun import NodeEnvironmentError, distributed
+from fanrun import NodeEnvironmentError, RunTimeoutError, distributed
 from processes import wait_gone
 
 CALL_TIMEOUT_S = 120.0
@@ -172,3 +172,62 @@ def test_the_cli_in_an_sbatch_job_runs_the_script_on_both_nodes(slurm, tmp_path)
 
 def _fanrun_env() -> dict[str, str]:
     return {key: os.environ[key] for key in ("FANRUN_RUNS_DIR", "FANRUN_TRACKING")}
+
+
+def stuck_in_a_named_function():
+    import time
+
+    def waiting_for_ever():
+        time.sleep(300)
+
+    waiting_for_ever()
+
+
+def test_a_timeout_dumps_the_stacks_of_every_rank_on_every_node(slurm):
+    call = distributed(num_accelerators=4, nodes=2, backend="slurm", accelerator_type="CPU", timeout=15)
+    with pytest.raises(RunTimeoutError) as info:
+        call(stuck_in_a_named_function).distributed()
+    assert sorted(info.value.stacks) == [0, 1, 2, 3], info.value.missing_stacks
+    for lines in info.value.stacks.values():
+        assert any("waiting_for_ever" in line for line in lines)
+
+
+def log_a_metric_per_rank():
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(3):
+        mlflow.log_metric(f"steps/rank_{rank}", rank * 10 + step, step=step)
+    return mlflow.active_run().info.run_id
+
+
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # MLflow's own use of SQLAlchemy 2.1
+def test_every_nodes_ranks_log_to_the_calls_one_mlflow_run(slurm, monkeypatch, tmp_path):
+    import mlflow
+    from mlflow import MlflowClient
+
+    import fanrun
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FANRUN_TRACKING")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "slurm")
+    try:
+        run_ids = distributed(num_accelerators=4, nodes=2, backend="slurm",
+                              accelerator_type="CPU")(log_a_metric_per_rank).distributed()
+        fanrun.flush_tracking()
+    finally:
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+        # The caller's tracking agent lives as long as its caller, with the cluster's mark in its
+        # environment (the fixture's): it ends here, not with the session.
+        fanrun._tracking.agent_connection.shutdown(wait_s=60)
+    assert len(set(run_ids)) == 1
+    client = MlflowClient(uri)
+    for rank in range(4):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"steps/rank_{rank}"))
+        assert history == [(step, rank * 10 + step) for step in range(3)]
+    assert client.get_run(run_ids[0]).info.status == "FINISHED"
