@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -120,6 +121,17 @@ def test_scancel_mid_run_names_the_lost_node_and_leaves_no_rank(slurm, tmp_path)
     finally:
         caller.kill()
     assert "raised NodeLostError" in out and "Slurm stopped its agent and ranks with SIGTERM" in out, out + err
+    assert wait_gone(ranks, timeout=10) == []
+
+
+def test_ctrl_c_in_the_caller_stops_every_rank_on_every_node(slurm, tmp_path):
+    caller, ranks = start_sleeper(tmp_path)
+    try:
+        caller.send_signal(signal.SIGINT)
+        out, err = caller.communicate(timeout=CALL_TIMEOUT_S)
+    finally:
+        caller.kill()
+    assert "KeyboardInterrupt" in err, out + err
     assert wait_gone(ranks, timeout=10) == []
 
 

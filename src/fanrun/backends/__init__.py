@@ -7,6 +7,8 @@ the launcher (fanrun._launch) drives any of them the same way.
   slurm/         the nodes of a Slurm allocation: srun starts one agent per node, as Ray's
   node_agent.py  what runs one node's ranks of a multi-node call, for ray/ and slurm/
   node_ranks.py  a multi-node call's ranks as the launcher drives them, for ray/ and slurm/
+  metric_link.py what a cluster's ranks log to MLflow, from the nodes to the caller's tracking agent
+  versions.py    the versions every node of a cluster call must share with the caller
   metric_relay.py  the host's end of the ranks' metric stream, a socket server that knows nothing of MLflow
   rank_env.py    every rank's environment, for its place among the run's nodes
   stack_dump.py  why a rank cannot dump its stack at a timeout, read on its own machine

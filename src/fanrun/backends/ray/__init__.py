@@ -5,8 +5,6 @@ each, with one agent per node that runs them with the engine's own supervisor.
   placement.py    the placement group (one bundle per node, STRICT_SPREAD) and the node agents
   node_agent.py   the actor on each node: the engine's supervisor for that node's ranks
   ranks.py        the caller's view of every node's ranks, as the launcher drives them
-  metric_link.py  what ranks log to MLflow, from the nodes to the caller's tracking agent
-  versions.py     the versions every node must share with the caller
 
 Ray is imported when a call uses it, never by `import fanrun`.
 """
@@ -23,7 +21,7 @@ from ..base import Launch
 from ..rank_env import FORWARDED_PREFIXES
 from . import connect, placement
 from .ranks import Node, RayRanks
-from .versions import differences, installed_versions
+from ..versions import differences, installed_versions
 
 # How long the agents may take to start and describe their nodes.
 AGENT_START_S = 120.0
@@ -98,7 +96,7 @@ class RayBackend:
             pids = [pid for node_pids in started for pid in node_pids]
             link = None
             if tracked:
-                from .metric_link import MetricLink
+                from ..metric_link import MetricLink
 
                 def publish(answer: dict) -> None:
                     for agent in agents:

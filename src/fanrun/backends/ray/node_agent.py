@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 
 from ..node_agent import NodeAgent
-from .versions import installed_versions
+from ..versions import installed_versions
 
 # A Ray worker that exits SIGKILLs its child processes, here the ranks' keepers, which then
 # cannot end what the ranks started. Left alone, each keeper sees its agent go and ends all of it.

@@ -8,7 +8,7 @@ import threading
 from ..._spec.paths import RunPaths
 from ..node_ranks import Node, NodeRanks
 from . import placement
-from .metric_link import MetricLink
+from ..metric_link import MetricLink
 
 # How long closing waits for the threads that follow the killed agents.
 FOLLOWER_STOP_S = 10.0

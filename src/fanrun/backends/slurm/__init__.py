@@ -16,6 +16,7 @@ import os
 import sys
 
 from ..._accelerators import DEFAULT_CPU_RANKS, AcceleratorRequest, Plan
+from ..._errors import AcceleratorMismatchError
 from ..._rank import tracking as rank_tracking
 from ..base import Launch
 from ..rank_env import FORWARDED_PREFIXES
@@ -30,11 +31,11 @@ def plan(num_accelerators: int | None, request: AcceleratorRequest | None, nodes
     """The plan of a call over `nodes` Slurm nodes: `num_accelerators` ranks in all, by default
     each node's GPUs (as the allocation or gres= gives them), else DEFAULT_CPU_RANKS CPU processes
     a node. Outside an allocation, srun asks Slurm for one with `options`."""
-    allocation.check_reachable(options)
+    allocation.check_reachable()
     cpu = request is not None and request.cpu
     gpus = 0 if cpu else allocation.gpus_per_node(options)
     if request is not None and not cpu and not gpus:
-        raise allocation.SlurmError(
+        raise AcceleratorMismatchError(
             f"accelerator_type {request.text!r} asks for GPUs, but neither the allocation nor slurm={{'gres': ...}} "
             f"gives the nodes any: pass slurm={{'gres': 'gpu:N'}}, or accelerator_type='CPU'")
     per_node = (num_accelerators // nodes) if num_accelerators is not None else (gpus or DEFAULT_CPU_RANKS)
@@ -68,8 +69,8 @@ class SlurmBackend:
             "layout": {"nodes": plan.nodes, "local_world_size": per_node, "world_size": plan.world_size,
                        "use_gpus": plan.use_gpus},
         }
+        launch.paths.write_file(SPEC_NAME, json.dumps(spec).encode())
         spec_path = launch.paths.directory / SPEC_NAME
-        spec_path.write_text(json.dumps(spec))
         argv = allocation.srun_command(plan.nodes, dict(plan.slurm),
                                        [sys.executable, "-m", "fanrun.backends.slurm.agent", str(spec_path)])
         return start_agents(argv, plan.nodes, per_node, launch.paths, launch.wakeup_fd,

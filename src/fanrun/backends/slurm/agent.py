@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from ..node_agent import NodeAgent
-from ..ray.versions import installed_versions
+from ..versions import installed_versions
 from . import wire
 
 
@@ -50,7 +50,7 @@ def main(spec_path: str) -> int:
     name = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     address = node_address(name)
     agent = NodeAgent()
-    found = spec_file.is_file()
+    found = spec_file.is_file() and _owned_by_me_alone(spec_file.parent)
     port = agent.hold_rendezvous(address) if found and node == 0 else None
     say(("hello", {"name": name, "hostname": socket.gethostname(), "address": address, "port": port,
                    "versions": installed_versions(), "sees_run_dir": found}))
@@ -86,6 +86,14 @@ def main(spec_path: str) -> int:
             ending["files"] = {}
             say(("ended", ending))
             return 0
+
+
+def _owned_by_me_alone(directory: Path) -> bool:
+    """Whether the run directory is this user's and no one else can write it, as the caller made
+    it: the payload it holds is unpickled by the ranks, so one that another user could have
+    planted is not run."""
+    st = directory.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -12,17 +12,13 @@ import re
 import shutil
 from collections.abc import Mapping
 
-from ..._errors import FanrunError
+from ..._errors import NodeEnvironmentError
 
 # srun's options that slurm= may pass, by their long names with '_' for '-'.
 OPTIONS = ("partition", "time", "account", "qos", "reservation", "gres", "gpus_per_node", "constraint", "mem",
            "mem_per_cpu", "cpus_per_task", "exclusive", "nodelist", "exclude", "job_name", "comment")
 # Options fanrun sets itself, for one agent per node.
 OWN = ("nodes", "ntasks", "ntasks_per_node", "input", "kill_on_bad_exit")
-
-
-class SlurmError(FanrunError):
-    """A call that Slurm cannot run as asked: no srun, an option it does not take."""
 
 
 def in_allocation() -> bool:
@@ -59,10 +55,10 @@ def check_options(slurm: object) -> dict[str, str]:
     return out
 
 
-def check_reachable(options: Mapping[str, str]) -> None:
-    """srun is there; outside an allocation, the caller is told what will happen on its behalf."""
+def check_reachable() -> None:
+    """srun is on PATH, to start the agents."""
     if shutil.which("srun") is None:
-        raise SlurmError("backend='slurm' needs Slurm's srun on PATH, and there is none: run on a login node or "
+        raise NodeEnvironmentError("backend='slurm' needs Slurm's srun on PATH, and there is none: run on a login node or "
                          "inside an allocation (salloc, sbatch) of a Slurm cluster")
 
 

@@ -14,7 +14,7 @@ import time
 from ..._errors import NodeEnvironmentError
 from ..._spec.paths import RunPaths
 from ..node_ranks import Node, NodeRanks
-from ..ray.versions import differences, installed_versions
+from ..versions import differences, installed_versions
 from . import wire
 
 # How long srun may take to get the nodes (an allocation from a login node waits in Slurm's
@@ -55,7 +55,7 @@ class SlurmRanks(NodeRanks):
                  pids: list[int], paths: RunPaths, wakeup_fd: int, tracking: str | None) -> None:
         link = None
         if tracking is not None:
-            from ..ray.metric_link import MetricLink
+            from ..metric_link import MetricLink
 
             link = MetricLink(tracking, lambda answer: _send(srun, wire.command_line(wire.PUBLISH, answer)))
         super().__init__(nodes, per_node, pids, paths, wakeup_fd, link)
@@ -167,8 +167,8 @@ def _check(hellos: dict[int, dict], paths: RunPaths) -> None:
         if not hello["sees_run_dir"]:
             raise NodeEnvironmentError(
                 f"the call's run directory {paths.directory} is not on storage that {where} shares with this "
-                f"machine: the function and the results go through it. Set FANRUN_RUNS_DIR to a folder every node "
-                f"sees (a shared home or project file system)")
+                f"machine (or there it is not this user's alone): the function and the results go through it. Set "
+                f"FANRUN_RUNS_DIR to a folder every node sees (a shared home or project file system)")
         wrong = differences(installed_versions(), hello["versions"])
         if wrong:
             raise NodeEnvironmentError(f"{where} has {', '.join(wrong)}. Every node must run the caller's versions of "

@@ -11,8 +11,8 @@ import socket
 import threading
 from collections.abc import Callable
 
-from ..._rank.metric_sender import VALUES_PER_MESSAGE
-from ..._rank.tracking import MAX_ANSWER
+from .._rank.metric_sender import VALUES_PER_MESSAGE
+from .._rank.tracking import MAX_ANSWER
 
 
 class MetricLink:
