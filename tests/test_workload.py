@@ -158,6 +158,12 @@ command: echo [*h,*h,*h,*h,*h,*h,*h,*h,*h]
     ("command: echo hi\nenv_variables:\n  A: [x]\n", None, "workload.yaml:3: env_variables.A: must be a string or a number"),
     ("command: echo hi\nenv_variables:\n  A: 'ok'\n  B: true\n", None,
      "workload.yaml:4: env_variables.B: must be a string or a number, not True; write it in quotes"),
+    ("command: echo hi\ncompute: {nodes: 2, backend: k8s}\n", None,
+     "workload.yaml:2: compute.backend: must be one of ray, slurm, not 'k8s'"),
+    ("command: echo hi\ncompute: {nodes: 2, slurm: {partition: gpu}}\n", None,
+     "workload.yaml:2: compute.slurm: gives srun's options, and this workload does not run on Slurm"),
+    ("command: echo hi\ncompute: {nodes: 2, backend: slurm, slurm: {ntasks: 3}}\n", None,
+     "workload.yaml:2: compute.slurm: slurm={'ntasks': ...}: fanrun sets --ntasks itself"),
 ])
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_a_bad_workload_is_a_one_line_error_naming_file_and_line(tmp_path, text, data, message, dry_run):

@@ -212,11 +212,11 @@ def distributed(
     if detach and keep_alive:
         raise ValueError("detach=True runs each call in a process of its own, which cannot keep this process's ranks "
                          "alive: drop keep_alive=True or detach=True")
-    if detach and (options.backend in CLUSTER_BACKENDS or (options.nodes or 1) > 1):
-        raise ValueError("detach=True runs on this machine; a run over a cluster's nodes outlives its caller as a "
-                         "Ray job (`fanrun submit` a workload file with compute.nodes, docs/detached.md) or a Slurm "
-                         "batch job (`sbatch` a script that calls `fanrun run --nodes`). Here, drop detach=True, or "
-                         "nodes= and backend=")
+    if detach and options.backend != "slurm" and (options.backend == "ray" or (options.nodes or 1) > 1):
+        raise ValueError("detach=True runs its caller on this machine: with backend='slurm', srun starts its ranks on "
+                         "Slurm's nodes; a run over a Ray cluster's nodes outlives its caller as a Ray job (`fanrun "
+                         "submit` a workload file with compute.nodes, docs/detached.md). Here, drop detach=True, or "
+                         "nodes=, or pass backend='slurm'")
 
     def decorate(fn: Callable[..., R]) -> DistributedFunction[R]:
         if not callable(fn):

@@ -243,3 +243,27 @@ def test_every_nodes_ranks_log_to_the_calls_one_mlflow_run(slurm, monkeypatch, t
         history = sorted((m.step, m.value) for m in client.get_metric_history(run_ids[0], f"steps/rank_{rank}"))
         assert history == [(step, rank * 10 + step) for step in range(3)]
     assert client.get_run(run_ids[0]).info.status == "FINISHED"
+
+
+WORKLOAD = """
+command: python train.py
+compute: {nodes: 2, num_accelerators: 2, accelerator_type: CPU, backend: slurm, slurm: {job_name: submitted}}
+"""
+
+
+def test_a_submitted_workload_with_backend_slurm_runs_detached_on_both_nodes(slurm, tmp_path):
+    (tmp_path / "train.py").write_text("import os\nprint('rank', os.environ['RANK'], 'on', os.environ['SLURMD_NODENAME'], "
+                                       "os.environ['SLURM_JOB_NAME'], flush=True)\n")
+    (tmp_path / "workload.yaml").write_text(WORKLOAD)
+    done = subprocess.run([sys.executable, "-m", "fanrun", "submit", "--watch", str(tmp_path / "workload.yaml")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=CALL_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0 on node1 submitted" in done.stdout and "rank 1 on node2 submitted" in done.stdout, done.stdout
+
+
+def test_a_detached_call_with_backend_slurm_hands_back_a_run_whose_result_is_every_ranks(slurm):
+    run = distributed(num_accelerators=4, nodes=2, backend="slurm", accelerator_type="CPU",
+                      detach=True)(describe).distributed("detached")
+    results = run.result(timeout=CALL_TIMEOUT_S)
+    assert [r["SLURMD_NODENAME"] for r in results] == ["node1", "node1", "node2", "node2"]
+    assert {r["tag"] for r in results} == {"detached"} and run.status == "FINISHED"

@@ -57,8 +57,6 @@ def _slurm_nodes(options: argparse.Namespace) -> dict:
             f"--nodes {options.nodes} runs on the nodes of a Slurm allocation, and this shell is in none "
             f"(SLURM_JOB_ID is not set): run `salloc --nodes={options.nodes} fanrun run --nodes {options.nodes} ...`, "
             f"or sbatch a script that runs it")
-    if options.detach:
-        raise ValueError("--detach runs on this machine; on Slurm, sbatch the script that runs fanrun run --nodes")
     return {"nodes": options.nodes, "backend": "slurm"}
 
 

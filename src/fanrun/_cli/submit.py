@@ -1,5 +1,6 @@
 """`fanrun submit WORKLOAD`: a detached run from a workload file (_detached/workload.py), on this
-machine or, with compute.nodes above 1, as a Ray cluster's job."""
+machine or, with compute.nodes above 1, as a Ray cluster's job, or as a detached run of this
+machine whose ranks srun starts on Slurm's nodes (compute.backend: slurm)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def main(options: argparse.Namespace) -> int:
 
     try:
         workload = load(options.workload, options.override)
-        if workload.nodes > 1:
+        if workload.nodes > 1 and workload.backend != "slurm":
             return _submit_to_ray(workload, options)
         spec = spec_of(workload)
     except (WorkloadError, ValueError, TypeError) as error:

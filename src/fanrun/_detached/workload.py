@@ -1,6 +1,7 @@
 """The workload file of `fanrun submit`, with the fields of Databricks' `databricks air run -f`
-where they make sense: on this machine, or with `compute.nodes` above 1 on a Ray cluster. Every
-mistake is an error before anything starts, naming the file, the line and the field.
+where they make sense: on this machine, or with `compute.nodes` above 1 on a Ray cluster or (with
+`compute.backend: slurm`, or inside a Slurm allocation) on Slurm's nodes. Every mistake is an error
+before anything starts, naming the file, the line and the field.
 
     experiment_name: my-experiment
     command: python train.py --lr 3e-4      # or: script: train.py + args: [...]
@@ -32,7 +33,8 @@ from .workload_yaml import WorkloadError as WorkloadError
 
 FIELDS = ("experiment_name", "command", "script", "args", "function", "kwargs", "compute", "env_variables",
           "max_retries", "timeout_minutes", "mlflow_run_name")
-COMPUTE_FIELDS = ("accelerator_type", "num_accelerators", "nodes")
+COMPUTE_FIELDS = ("accelerator_type", "num_accelerators", "nodes", "backend", "slurm")
+CLUSTERS = ("ray", "slurm")
 PROGRAM_FIELDS = ("command", "script", "function")
 # A year: a longer timeout is a mistake in the unit; leaving the field out means no timeout.
 MAX_TIMEOUT_MINUTES = 365 * 24 * 60
@@ -46,8 +48,9 @@ class Workload:
     payload: bytes | None  # a function's call
     options: Options
     env: dict[str, str]
-    nodes: int  # above 1: a Ray job (ray_job.py)
+    nodes: int  # above 1: a Ray job (ray_job.py), or a detached run of Slurm's nodes (backend "slurm")
     shown: str  # what every rank runs, as --dry-run shows it
+    backend: str | None = None
 
 
 def spec_of(workload: Workload):
@@ -108,7 +111,7 @@ def _check(fields: dict, where: _Where, base: Path) -> Workload:
                           f"a workload runs one of command, script or function; this one gives {shown}")
     compute = fields.get("compute") or {}
     if not isinstance(compute, dict):
-        raise where.error(("compute",), "must be a mapping of accelerator_type, num_accelerators and nodes")
+        raise where.error(("compute",), f"must be a mapping of {', '.join(COMPUTE_FIELDS)}")
     for key in compute:
         if key not in COMPUTE_FIELDS:
             raise where.error(("compute", key), f"not a compute field; they are {', '.join(COMPUTE_FIELDS)}")
@@ -125,6 +128,7 @@ def _check(fields: dict, where: _Where, base: Path) -> Workload:
         accelerator = parse_accelerator_type(compute.get("accelerator_type"))
     except (TypeError, ValueError) as error:
         raise where.error(("compute", "accelerator_type"), str(error)) from None
+    backend, slurm = _cluster(compute, nodes, where)
     env = _environment(fields.get("env_variables"), where)
     retries = fields.get("max_retries", 0)
     if not _whole(retries, 0):
@@ -162,12 +166,32 @@ def _check(fields: dict, where: _Where, base: Path) -> Workload:
         num_accelerators=count, accelerator=accelerator,
         timeout=None if minutes is None else float(minutes) * 60,
         experiment_name=fields.get("experiment_name"), run_name=fields.get("mlflow_run_name"),
-        max_restarts=retries, nodes=nodes if nodes > 1 else None,
+        max_restarts=retries, nodes=nodes if nodes > 1 else None, backend=backend, slurm=slurm,
     )
     if fields.get("command") is None:  # last: a function's module is imported, the one step that runs user code
         name, program, payload, shown = _program(fields, where, base, _payload)
     return Workload(name=name, fields=fields, program=program, payload=payload, options=options, env=env, nodes=nodes,
-                    shown=shown)
+                    shown=shown, backend=backend)
+
+
+def _cluster(compute: dict, nodes: int, where) -> tuple[str | None, dict[str, str] | None]:
+    """compute.backend and compute.slurm: where more than one node runs. By default Slurm inside an
+    allocation, else Ray."""
+    from ..backends.slurm.allocation import check_options, in_allocation
+
+    backend = compute.get("backend")
+    if backend is not None and backend not in CLUSTERS:
+        raise where.error(("compute", "backend"), f"must be one of {', '.join(CLUSTERS)}, not {backend!r}")
+    if backend is None and nodes > 1:
+        backend = "slurm" if in_allocation() else None
+    if compute.get("slurm") is not None and backend != "slurm":
+        raise where.error(("compute", "slurm"), "gives srun's options, and this workload does not run on Slurm: "
+                                                "add backend: slurm, or drop slurm")
+    try:
+        slurm = check_options(compute.get("slurm"))
+    except (TypeError, ValueError) as error:
+        raise where.error(("compute", "slurm"), str(error)) from None
+    return backend, (slurm if backend == "slurm" else None)
 
 
 def _whole(value: Any, least: int) -> bool:
