@@ -9,7 +9,7 @@ import pytest
 
 from fanrun._spec.paths import RunPaths
 from fanrun.backends.rank_env import NodeLayout, rank_environment
-from fanrun.backends.ray.node_agent import _interface_towards
+from fanrun.backends.node_agent import _interface_towards
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_the_interface_towards_an_address_is_the_one_that_holds_the_route():
 
 
 def _ipv4_interfaces() -> dict[str, str]:
-    from fanrun.backends.ray.node_agent import _address_of
+    from fanrun.backends.node_agent import _address_of
 
     found = {}
     for _index, name in socket.if_nameindex():
