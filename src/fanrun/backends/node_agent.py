@@ -27,7 +27,7 @@ from .metric_relay import MetricRelay
 from . import stack_dump
 from .base import KILL_GRACE_S, STACK_DUMP_WAIT_S
 from .local import KEEPER
-from .rank_env import NodeLayout, flatten, rank_environment
+from .rank_env import FORWARDED_PREFIXES, NodeLayout, flatten, rank_environment
 
 # The most of a rank's log that goes back to the caller at the end: beyond it, the log's tail,
 # and the node keeps the whole of it.
@@ -38,6 +38,27 @@ BATCH_WAIT_S = 30.0
 RELAY_STOP_S = 30.0
 
 _CANCEL, _KILL = b"c", b"k"
+
+
+def agent_spec(launch) -> dict:
+    """What every node's agent is told of one attempt (Launch), whatever cluster carries it: the
+    program, the caller's forwarded environment, the timeout and the layout; each backend adds
+    where node 0 is and how the payload travels."""
+    plan = launch.plan
+    env = {key: value for key, value in launch.env.items()
+           if key.startswith(FORWARDED_PREFIXES) or key in launch.added}
+    return {
+        "name": launch.paths.run_id[-40:],
+        "run_id": launch.paths.run_id,
+        "argv": launch.program.argv,
+        "python": launch.program.python,
+        "cwd": os.getcwd(),
+        "env": env,
+        "tracked": env.get(rank_tracking.VARIABLE, rank_tracking.OFF) != rank_tracking.OFF,
+        "timeout_s": float(launch.timeout) if launch.timeout is not None else 0.0,
+        "layout": {"nodes": plan.nodes, "local_world_size": plan.world_size // plan.nodes,
+                   "world_size": plan.world_size, "use_gpus": plan.use_gpus},
+    }
 
 
 class NodeAgent:

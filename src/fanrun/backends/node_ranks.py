@@ -42,6 +42,8 @@ class Node:
 class NodeRanks:
     # How the cluster names a lost node, for messages ("Ray node id", "Slurm node").
     node_id_label = "node id"
+    # How long close() waits for each thread that carries news, once _release() ended the agents.
+    news_stop_s = 10.0
 
     def __init__(self, nodes: list[Node], ranks_per_node: int, pids: list[int], paths: RunPaths,
                  wakeup_fd: int, link=None) -> None:
@@ -198,6 +200,23 @@ class NodeRanks:
         """Carries "cancel" or "kill" to the node's agent."""
         raise NotImplementedError
 
-    def _close_news(self) -> None:
-        os.close(self._news_read)
-        os.close(self._news_write)
+    def close(self) -> None:
+        """Once the run is over: what the cluster holds for it released, then the threads that
+        carry the nodes' news joined (one still waiting on a killed agent gets its error at once
+        and stops); only then can the pipe go, or a late write could land in a descriptor reused
+        meanwhile."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            self._link.close()
+        self._release()
+        for thread in self._news_threads:
+            thread.join(self.news_stop_s)
+        if not any(thread.is_alive() for thread in self._news_threads):
+            os.close(self._news_read)
+            os.close(self._news_write)
+
+    def _release(self) -> None:
+        """Ends what carries the agents (their placement group, srun)."""
+        raise NotImplementedError

@@ -11,14 +11,13 @@ Ray is imported when a call uses it, never by `import fanrun`.
 
 from __future__ import annotations
 
-import os
 import sys
 
 from ..._accelerators import DEFAULT_CPU_RANKS, AcceleratorRequest, Plan
 from ..._errors import AcceleratorMismatchError, NodeEnvironmentError
 from ..._rank import tracking as rank_tracking
 from ..base import Launch
-from ..rank_env import FORWARDED_PREFIXES
+from ..node_agent import agent_spec
 from . import connect, placement
 from .ranks import Node, RayRanks
 from ..versions import differences, installed_versions
@@ -72,23 +71,8 @@ class RayBackend:
             master_addr = nodes[0].address
             master_port = ray.get(agents[0].hold_rendezvous.remote(master_addr))
             payload = ray.put(launch.paths.payload.read_bytes()) if launch.expect_done else None
-            env = {key: value for key, value in launch.env.items()
-                   if key.startswith(FORWARDED_PREFIXES) or key in launch.added}
-            tracked = env.get(rank_tracking.VARIABLE, rank_tracking.OFF) != rank_tracking.OFF
-            spec = {
-                "name": launch.paths.run_id[-40:],
-                "run_id": launch.paths.run_id,
-                "argv": launch.program.argv,
-                "python": launch.program.python,
-                "cwd": os.getcwd(),
-                "env": env,
-                "tracked": tracked,
-                "master_addr": master_addr,
-                "master_port": master_port,
-                "timeout_s": float(launch.timeout) if launch.timeout is not None else 0.0,
-            }
-            layout = {"nodes": plan.nodes, "local_world_size": per_node, "world_size": plan.world_size,
-                      "use_gpus": plan.use_gpus}
+            spec = {**agent_spec(launch), "master_addr": master_addr, "master_port": master_port}
+            env, tracked, layout = spec["env"], spec["tracked"], spec["layout"]
             started = ray.get([
                 agent.start.remote({**spec, "layout": {**layout, "node_rank": node.rank}, "node_id": node.node_id}, payload)
                 for agent, node in zip(agents, nodes, strict=True)

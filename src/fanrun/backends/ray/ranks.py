@@ -10,9 +10,6 @@ from ..node_ranks import Node, NodeRanks
 from . import placement
 from ..metric_link import MetricLink
 
-# How long closing waits for the threads that follow the killed agents.
-FOLLOWER_STOP_S = 10.0
-
 
 class RayRanks(NodeRanks):
     node_id_label = "Ray node id"
@@ -23,11 +20,11 @@ class RayRanks(NodeRanks):
         self._ray = ray
         self._agents = agents
         self._group = group
-        self._followers = [
+        self._news_threads = [
             threading.Thread(target=self._follow, args=(node,), name=f"fanrun-node-{node}", daemon=True)
             for node in range(len(nodes))
         ]
-        for follower in self._followers:
+        for follower in self._news_threads:
             follower.start()
 
     def kill_and_reap(self) -> None:
@@ -36,20 +33,8 @@ class RayRanks(NodeRanks):
         for agent in self._agents:
             self._ray.kill(agent, no_restart=True)
 
-    def close(self) -> None:
-        """Once the run is over: the agents and their placement group are released."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._link is not None:
-            self._link.close()
+    def _release(self) -> None:
         placement.release(self._ray, self._agents, self._group)
-        # A follower still waiting on a killed agent gets its error at once and stops; only then
-        # can the pipe go, or a late write could land in a descriptor reused meanwhile.
-        for follower in self._followers:
-            follower.join(FOLLOWER_STOP_S)
-        if not any(follower.is_alive() for follower in self._followers):
-            self._close_news()
 
     def _follow(self, node: int) -> None:
         agent = self._agents[node]

@@ -12,14 +12,13 @@ and the ranks' results pass through the call's run directory, on storage every n
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from ..._accelerators import DEFAULT_CPU_RANKS, AcceleratorRequest, Plan
 from ..._errors import AcceleratorMismatchError
 from ..._rank import tracking as rank_tracking
 from ..base import Launch
-from ..rank_env import FORWARDED_PREFIXES
+from ..node_agent import agent_spec
 from . import allocation
 from .ranks import SlurmRanks, start_agents
 
@@ -53,25 +52,11 @@ class SlurmBackend:
     def start(self, launch: Launch) -> SlurmRanks:
         plan = launch.plan
         per_node = plan.world_size // plan.nodes
-        env = {key: value for key, value in launch.env.items()
-               if key.startswith(FORWARDED_PREFIXES) or key in launch.added}
-        spec = {
-            "name": launch.paths.run_id[-40:],
-            "run_id": launch.paths.run_id,
-            "argv": launch.program.argv,
-            "python": launch.program.python,
-            "cwd": os.getcwd(),
-            "env": env,
-            "tracked": env.get(rank_tracking.VARIABLE, rank_tracking.OFF) != rank_tracking.OFF,
-            "timeout_s": float(launch.timeout) if launch.timeout is not None else 0.0,
-            "payload": str(launch.paths.payload) if launch.expect_done else None,
-            "shared_dir": str(launch.paths.directory),
-            "layout": {"nodes": plan.nodes, "local_world_size": per_node, "world_size": plan.world_size,
-                       "use_gpus": plan.use_gpus},
-        }
+        spec = {**agent_spec(launch), "payload": str(launch.paths.payload) if launch.expect_done else None,
+                "shared_dir": str(launch.paths.directory)}
         launch.paths.write_file(SPEC_NAME, json.dumps(spec).encode())
         spec_path = launch.paths.directory / SPEC_NAME
         argv = allocation.srun_command(plan.nodes, dict(plan.slurm),
                                        [sys.executable, "-m", "fanrun.backends.slurm.agent", str(spec_path)])
         return start_agents(argv, plan.nodes, per_node, launch.paths, launch.wakeup_fd,
-                            env.get(rank_tracking.VARIABLE) if spec["tracked"] else None)
+                            spec["env"][rank_tracking.VARIABLE] if spec["tracked"] else None)

@@ -50,6 +50,7 @@ def start_agents(argv: list[str], nodes: int, per_node: int, paths: RunPaths, wa
 
 class SlurmRanks(NodeRanks):
     node_id_label = "Slurm node"
+    news_stop_s = SRUN_END_S
 
     def __init__(self, srun: subprocess.Popen, stderr: _StderrTail, news: _News, nodes: list[Node], per_node: int,
                  pids: list[int], paths: RunPaths, wakeup_fd: int, tracking: str | None) -> None:
@@ -62,23 +63,15 @@ class SlurmRanks(NodeRanks):
         self._srun = srun
         self._stderr = stderr
         self._incoming = news
-        self._reader = threading.Thread(target=self._follow, name="fanrun-slurm-news", daemon=True)
-        self._reader.start()
+        self._news_threads = [threading.Thread(target=self._follow, name="fanrun-slurm-news", daemon=True)]
+        self._news_threads[0].start()
 
     def kill_and_reap(self) -> None:
         _send(self._srun, wire.command_line(wire.KILL))
         _end(self._srun)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._link is not None:
-            self._link.close()
+    def _release(self) -> None:
         _end(self._srun)
-        self._reader.join(SRUN_END_S)
-        if not self._reader.is_alive():
-            self._close_news()
 
     def _tell_others(self, command: str, stopped: int | None) -> None:
         # srun gives every agent the same stdin: one line reaches them all (a node that ended ignores it).
