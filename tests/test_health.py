@@ -16,31 +16,12 @@ import pytest
 import fanrun
 from fanrun import _accelerators
 from gpus import needs_gpus
+from recorded_nvml import GIB, build, gpu_answers, node_answers, uuid
 from fanrun._health import reader
-
-SEAM = Path(__file__).resolve().parents[1] / "cpp" / "src" / "accelerators" / "recorded_nvml.c"
-GIB = 1 << 30
-
 
 @pytest.fixture(scope="session")
 def recorded_nvml(tmp_path_factory) -> Path:
-    """The stand-in NVML, built from its one C file (never part of the wheel)."""
-    library = tmp_path_factory.mktemp("nvml") / "librecorded_nvml.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-Wall", "-Werror", "-o", str(library), str(SEAM)], check=True)
-    return library
-
-
-def gpu_answers(index: int, **changes: str) -> str:
-    """One healthy H200's answers, with `changes` (an answer's name -> its recorded text, "" to leave it out)."""
-    answers = {"name": "NVIDIA H200", "uuid": uuid(index), "memory": f"{141 * GIB} {GIB // 2}", "ecc_uncorrected": "0",
-               "retired_pages_pending": "0", "remapped_rows": "0 0 0 0", "throttle_reasons": "0x1",
-               "pcie": "1 5 16 16", "utilization": "0", **changes}
-    return f"gpu {index}\n" + "".join(f"{key} {value}\n" for key, value in answers.items() if value and key != "process") + \
-        "".join(f"process {line}\n" for line in changes.get("process", "").split(";") if line)
-
-
-def uuid(index: int) -> str:
-    return f"GPU-{index:08d}-0000-0000-0000-000000000000"
+    return build(tmp_path_factory.mktemp("nvml"))
 
 
 @pytest.fixture
@@ -48,7 +29,7 @@ def node(recorded_nvml, tmp_path, monkeypatch):
     """Records a node's answers (one text per GPU) for this process and the processes it starts."""
     def record(*gpus: str) -> Path:
         answers = tmp_path / "answers.txt"
-        answers.write_text("driver 550.54.15\n" + "".join(gpus))
+        answers.write_text(node_answers(*gpus))
         monkeypatch.setenv("FANRUN_NVML_LIBRARY", str(recorded_nvml))
         monkeypatch.setenv("FANRUN_RECORDED_NVML", str(answers))
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

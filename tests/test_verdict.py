@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fanrun._launch.file_changes import FileChanges
+from fanrun._file_changes import FileChanges
 from fanrun._launch.stall_report import RankEvidence, RankProgress
 from fanrun._launch.verdict import parse_stack, verdict
 from fanrun._rank import contract

@@ -18,6 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 import fanrun
+from cluster_stalls import CALL_TIMEOUT_S, STALL_TIMEOUT_S, Reports, Stopped, check_report, train_with_a_slow_loader
 from processes import wait_gone
 from rank_functions import log_where_node_1_cannot_see_the_store, on_two_nodes, save_where_node_1_sees_other_files
 
@@ -290,6 +291,14 @@ def test_a_timeout_dumps_the_stacks_of_every_rank_on_every_node(cluster):
     assert sorted(info.value.stacks) == [0, 1, 2, 3], info.value.missing_stacks
     for lines in info.value.stacks.values():
         assert any("waiting_for_ever" in line for line in lines)
+
+
+def test_a_stall_on_node_1_is_named_from_the_evidence_of_both_nodes(cluster, tmp_path):
+    reports = Reports(tmp_path)
+    call = on_two_nodes(timeout=CALL_TIMEOUT_S, stall_timeout=STALL_TIMEOUT_S, on_stall=reports)
+    with pytest.raises(Stopped):
+        call(train_with_a_slow_loader).distributed(str(tmp_path))
+    check_report(reports, tmp_path)
 
 
 NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="a rank's private view of a folder needs root (mount)")

@@ -136,6 +136,13 @@ class LocalSlurm:
                 raise RuntimeError(f"no {what} after {START_DEADLINE_S:g} s: {self.node_states()}")
             select.select([daemon.pidfd for daemon in self._daemons], [], [], POLL_PAUSE_S)
 
+    def as_the_last_node_sees(self, path: Path) -> Path:
+        """`path` under the cluster's unshared folder as the last node, in its mount namespace of
+        its own, sees it: written there, the last node finds it, and this machine does not."""
+        assert path.is_relative_to(self.unshared), path
+        slurmd = next(daemon for daemon in self._daemons if daemon.name == f"slurmd-{NODES[-1]}")
+        return Path(f"/proc/{slurmd.pid}/root") / path.relative_to("/")
+
     def node_states(self) -> dict[str, str]:
         shown = self.run(["sinfo", "--noheader", "--Node", "--format=%N %t"])
         return dict(line.split() for line in shown.stdout.splitlines()) if shown.returncode == 0 else {}

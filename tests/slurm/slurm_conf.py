@@ -4,6 +4,8 @@ cluster's folder. No cgroup.conf: the plugins chosen track and confine nothing t
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 NODES = ("node1", "node2")
@@ -11,6 +13,7 @@ CONTROLLER_PORT = 17000
 # node1 listens on 17001, node2 on 17002: two slurmd on one address need a port each.
 NODE_PORTS = "17001-17002"
 CPUS_PER_NODE = 2
+GPUS_PER_NODE = 2
 
 TEMPLATE = """\
 ClusterName=fanrun-test
@@ -43,7 +46,10 @@ MailProg=/bin/true
 ReturnToService=2
 # A cancelled task that ignores SIGTERM is killed this soon after it.
 KillWait=5
-NodeName=node[1-2] NodeHostname={hostname} NodeAddr=127.0.0.1 Port=[{node_ports}] CPUs={cpus} RealMemory=2000
+# Two GPUs a node as Slurm counts them (gres.conf), with no GPU behind them: a call can ask for
+# them (gres=gpu:2), and the nodes' GPUs are what the health gate's recorded NVML answers say.
+GresTypes=gpu
+NodeName=node[1-2] NodeHostname={hostname} NodeAddr=127.0.0.1 Port=[{node_ports}] CPUs={cpus} RealMemory=2000 Gres=gpu:{gpus}
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -51,7 +57,15 @@ PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 def write_slurm_conf(directory: Path, hostname: str, munge_socket: Path) -> Path:
     path = directory / "slurm.conf"
     path.write_text(TEMPLATE.format(hostname=hostname, controller_port=CONTROLLER_PORT, munge_socket=munge_socket,
-                                    directory=directory, node_ports=NODE_PORTS, cpus=CPUS_PER_NODE))
+                                    directory=directory, node_ports=NODE_PORTS, cpus=CPUS_PER_NODE,
+                                    gpus=GPUS_PER_NODE))
+    # Slurm reads gres.conf beside slurm.conf. Its GPUs must be device files: each one here is
+    # another name for /dev/null, never opened.
+    devices = directory / "gpus"
+    devices.mkdir()
+    for index in range(GPUS_PER_NODE):
+        os.mknod(devices / f"gpu{index}", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    (directory / "gres.conf").write_text(f"NodeName=node[1-2] Name=gpu File={devices}/gpu[0-{GPUS_PER_NODE - 1}]\n")
     for name in NODES:
         (directory / "spool" / name).mkdir(parents=True)
     (directory / "state").mkdir()

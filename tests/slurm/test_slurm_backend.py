@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,9 @@ import time
 
 import pytest
 
-from fanrun import NodeEnvironmentError, RunTimeoutError, distributed
+from cluster_stalls import STALL_TIMEOUT_S, Reports, Stopped, check_report, train_with_a_slow_loader
+import recorded_nvml
+from fanrun import GpuHealthError, NodeEnvironmentError, RunTimeoutError, distributed
 from processes import wait_gone
 
 CALL_TIMEOUT_S = 120.0
@@ -186,6 +189,32 @@ def _fanrun_env() -> dict[str, str]:
     return {key: os.environ[key] for key in ("FANRUN_RUNS_DIR", "FANRUN_TRACKING")}
 
 
+def print_long_lines():
+    import os
+    import time
+
+    rank = os.environ["RANK"]
+    for index in range(LONG_LINES):
+        print(f"{rank}:{index}:" + rank * 3000, flush=True)
+        time.sleep(0.01)  # every node's agent sends its news for a few seconds, all at once
+    return rank
+
+
+LONG_LINES = 300
+
+
+def test_long_lines_from_every_node_at_once_reach_the_caller_whole(slurm, capfd):
+    """srun cuts a line longer than 1 KB and mixes its pieces with other nodes': each node's news
+    goes in shorter lines, or it could not be read (and the call would hang or fail)."""
+    call = distributed(num_accelerators=4, nodes=2, backend="slurm", accelerator_type="CPU", timeout=CALL_TIMEOUT_S,
+                       display="logs")
+    assert call(print_long_lines).distributed() == ["0", "1", "2", "3"]
+    out = capfd.readouterr().out
+    missing = [(rank, index) for rank in range(4) for index in range(LONG_LINES)
+               if f"{rank}:{index}:{str(rank) * 3000}\n" not in out]
+    assert missing == []
+
+
 def stuck_in_a_named_function():
     import time
 
@@ -202,6 +231,72 @@ def test_a_timeout_dumps_the_stacks_of_every_rank_on_every_node(slurm):
     assert sorted(info.value.stacks) == [0, 1, 2, 3], info.value.missing_stacks
     for lines in info.value.stacks.values():
         assert any("waiting_for_ever" in line for line in lines)
+
+
+def test_a_stall_on_node_2_is_named_from_the_evidence_of_both_nodes(slurm, tmp_path):
+    reports = Reports(tmp_path)
+    call = distributed(num_accelerators=4, nodes=2, backend="slurm", accelerator_type="CPU", timeout=CALL_TIMEOUT_S,
+                       stall_timeout=STALL_TIMEOUT_S, on_stall=reports)
+    with pytest.raises(Stopped):
+        call(train_with_a_slow_loader).distributed(str(tmp_path))
+    check_report(reports, tmp_path)
+
+
+def gpu_place(marks):
+    import os
+    from pathlib import Path
+
+    Path(marks, os.environ["RANK"]).touch()
+    return os.environ["LOCAL_RANK"], os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture
+def recorded_gpus(slurm, tmp_path, monkeypatch):
+    """Each node's GPUs as the health gate reads them: NVML's recorded answers (the gate's seam),
+    at one path, under the folder the second node does not share, so that each node has its own."""
+    monkeypatch.setenv("FANRUN_NVML_LIBRARY", str(recorded_nvml.build(tmp_path)))
+    answers = slurm.unshared / f"nvml-answers-{tmp_path.name}.txt"
+    monkeypatch.setenv("FANRUN_RECORDED_NVML", str(answers))
+
+    def record(first: str, second: str) -> None:
+        answers.write_text(first)
+        slurm.as_the_last_node_sees(answers).write_text(second)
+
+    yield record
+    for path in (answers, slurm.as_the_last_node_sees(answers)):
+        path.unlink(missing_ok=True)
+
+
+def test_healthy_gpus_on_both_nodes_run_a_gpu_call_there(recorded_gpus, tmp_path):
+    healthy = recorded_nvml.node_answers(recorded_nvml.gpu_answers(0), recorded_nvml.gpu_answers(1))
+    recorded_gpus(healthy, healthy)
+    places = distributed(nodes=2, backend="slurm", slurm={"gres": "gpu:2"}, timeout=CALL_TIMEOUT_S)(gpu_place)
+    assert [local for local, _ in places.distributed(str(tmp_path))] == ["0", "1", "0", "1"]
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.isdigit()) == ["0", "1", "2", "3"]
+
+
+def test_an_unhealthy_gpu_on_node_2_stops_the_call_before_any_rank_starts_on_either_node(recorded_gpus, tmp_path):
+    gpus = recorded_nvml.gpu_answers
+    recorded_gpus(recorded_nvml.node_answers(gpus(0), gpus(1)),
+                  recorded_nvml.node_answers(gpus(0), gpus(1, ecc_uncorrected="2")))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    call = distributed(nodes=2, backend="slurm", slurm={"gres": "gpu:2"}, timeout=CALL_TIMEOUT_S)
+    with pytest.raises(GpuHealthError) as info:
+        call(gpu_place).distributed(str(marks))
+    message = str(info.value)
+    assert f"node 1 (node2, host {socket.gethostname()}): GPU 1 ({recorded_nvml.uuid(1)}, NVIDIA H200) is unhealthy: " \
+           f"2 uncorrectable ECC errors" in message, message
+    assert "node 0" not in message and "No rank was started on any node" in message and "exclude" in message
+    assert [(index, gpu_uuid) for index, gpu_uuid, _ in info.value.problems] == [(1, recorded_nvml.uuid(1))]
+    assert list(marks.iterdir()) == []
+
+
+def test_what_the_gate_cannot_do_on_nodes_is_refused_before_anything_starts(slurm):
+    for options, words in (({"health": "deep"}, "health='deep' runs its work on this machine's GPUs"),
+                           ({"exclude_unhealthy": True}, "exclude_unhealthy=True re-ranks one machine's")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            distributed(nodes=2, backend="slurm", slurm={"gres": "gpu:2"}, **options)(gpu_place).distributed(".")
 
 
 def log_a_metric_per_rank():

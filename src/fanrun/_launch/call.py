@@ -49,6 +49,8 @@ def plan(name: str, options: Options, program: RankProgram, *, payload: bytes | 
         inventory = _accelerators.detect()
         call_plan = _accelerators.plan_run(options.num_accelerators, options.accelerator, inventory,
                                            gpus_required=options.gpus_required)
+    if call_plan.backend != "local" and call_plan.use_gpus:
+        _check_node_health_options(options, call_plan.backend)
     preflight(call_plan)
     return CallSpec(name=name, options=options, plan=call_plan, program=program, inventory=inventory,
                     payload=payload, env=dict(env or {}))
@@ -129,6 +131,19 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
                                        announce=attempt == 0, attempt=attempt,
                                        on_stall_report=stall_outcome.handler(spec.options.on_stall, paths, record),
                                        on_ranks_ended=ledger.ranks_ended, survivors=survivors)
+
+
+def _check_node_health_options(options: Options, backend: str) -> None:
+    """What the health gate cannot do on a cluster's nodes, where each node's agent runs the cheap
+    check before any rank starts: refused before anything starts, not ignored."""
+    where = "a Ray cluster's" if backend == "ray" else "a Slurm allocation's"
+    if options.health == "deep":
+        raise ValueError(f"health='deep' runs its work on this machine's GPUs, not on {where} nodes, which the cheap "
+                         f"check covers before any rank starts: pass health='cheap', or run `fanrun doctor --deep` "
+                         f"on each node")
+    if options.exclude_unhealthy:
+        raise ValueError(f"exclude_unhealthy=True re-ranks one machine's healthy GPUs; a call over {where} nodes "
+                         f"needs as many on each: drop it, and leave an unhealthy node out of the call instead")
 
 
 def _restart_plan(survivors: Survivors | None, world_size: int) -> str:

@@ -13,6 +13,7 @@ from .._errors import RankFailedError, RemoteTraceback, ResultSerializationError
 from .._rank import result_file
 from .._rank.contract import ENVELOPE_KEYS, ENVELOPE_KINDS, STACK_DUMP_SIGNAL
 from ..backends.base import STACK_DUMP_WAIT_S
+from ..backends.stack_dump import STACK_HEADER
 from .._display.output import OutputMux
 from .._spec.paths import RunPaths
 from . import failure_peers
@@ -149,10 +150,6 @@ class TimeoutReport:
                 )
         return stacks, missing
 
-
-
-# What faulthandler writes above every thread's stack.
-STACK_HEADER = "(most recent call first)"
 
 
 

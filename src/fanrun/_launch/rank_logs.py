@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .._display.terminal_text import printable
 from .._private_dir import open_private
-from .file_changes import FileChanges
+from .._file_changes import FileChanges
 from .record_files import FINAL
 from .record_watch import ProcessEnd
 from .records import RunRecord

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from .file_changes import FileChanges
+from .._file_changes import FileChanges
 from .record_files import FINAL, process_start
 from .records import STARTING_S, RunRecord
 

@@ -74,7 +74,7 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
         with SignalWakeup() as wakeup:
             # The first attempt unless extra_env says otherwise, whatever the caller's environment holds.
             first_attempt = {contract.ENV_RESTART_COUNT: "0", contract.ENV_MAX_RESTARTS: "0"}
-            watched = on_stall_report is not None and plan.backend == "local" and spec.program.python
+            watched = on_stall_report is not None and spec.program.python
             launch = Launch(call=spec, paths=paths,
                             env={**os.environ, **first_attempt, **mux.rank_env, **(_progress_env() if watched else {}),
                                  **extra_env},

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from .._spec.paths import RunPaths
+from ..backends.stack_dump import start_time
 
 RANKS_FILE = "ranks.json"
 
@@ -37,13 +38,3 @@ def remove(paths: RunPaths) -> None:
 def running() -> dict[str, Path]:
     with _lock:
         return dict(_running)
-
-
-def start_time(pid: int) -> int | None:
-    """The process's start, in clock ticks since boot: a pid reused later has another."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            fields = file.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[19])  # field 22 of stat(5); the two before the ")" split are gone

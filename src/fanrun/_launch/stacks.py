@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import time
 from pathlib import Path
@@ -16,8 +15,8 @@ from .._errors import FanrunError, StacksError, UnknownRunError, UnsafePathError
 from .._private_dir import open_private
 from .._rank.contract import STACK_DUMP_SIGNAL
 from . import records, running_calls
-from .file_changes import FileChanges
-from .outcome import STACK_HEADER
+from .._file_changes import FileChanges
+from ..backends.stack_dump import STACK_HEADER, file_size, read_from, send_signal
 from .stall_report import REPORT_TEXT
 from .._spec.paths import rank_log
 
@@ -147,7 +146,7 @@ def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str
     signalled = []
     with FileChanges([str(path) for path in logs.values() if path.exists()]) as changes:
         for rank, (pid, started) in enumerate(ranks):
-            why = send_signal(pid, started)
+            why = send_signal(pid, started, STACK_DUMP_SIGNAL)
             if why is None:
                 signalled.append(rank)
             else:
@@ -172,40 +171,3 @@ def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str
         out[rank] = texts[rank] if STACK_HEADER in texts[rank] else \
             f"(no stack within {WAIT_S:g} s of {STACK_DUMP_SIGNAL.name}: the rank blocks or ignores it)\n{texts[rank]}"
     return out
-
-
-def send_signal(pid: int, started: int | None, signo: int = STACK_DUMP_SIGNAL) -> str | None:
-    """Sends `signo` (the stack-dump signal) to the rank; why not, where it cannot be."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return "it has ended"
-    try:
-        # Checked once the pidfd holds the process: a pid reused since is another start time.
-        if running_calls.start_time(pid) != started:
-            return "it has ended"
-        signal.pidfd_send_signal(pidfd, signo)
-    except ProcessLookupError:
-        return "it has ended"
-    finally:
-        os.close(pidfd)
-    return None
-
-
-def file_size(path: Path) -> int:
-    """The file's size; 0 where it does not exist yet."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def read_from(path: Path, offset: int) -> bytes:
-    """What the file holds past `offset`, never through a link."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link in place of a log is not read
-    except FileNotFoundError:
-        return b""
-    with os.fdopen(fd, "rb") as file:
-        file.seek(offset)
-        return file.read()

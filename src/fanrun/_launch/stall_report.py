@@ -31,6 +31,9 @@ class RankEvidence:
     # None where torch keeps no record (or the rank did not answer).
     collectives: tuple[dict, ...] | None
     last_lines: tuple[str, ...]  # its last lines of output
+    # Why it could not be asked, where it could not (a node's agent that gave nothing in time, or
+    # failed to ask): nothing else here is evidence then.
+    unasked: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,9 @@ class StallReport:
                 doing = f"in {progress.op} #{progress.collectives}" if progress.state == "collective" else progress.state
                 out.append(f"{doing} for {self.at - progress.state_since:.1f} s; {progress.steps} steps, "
                            f"{progress.batches} batches, {progress.collectives} collectives")
-            if not rank.running:
+            if rank.unasked:
+                out.append(f"it could not be asked: {rank.unasked}")
+            elif not rank.running:
                 out.append("it had ended")
             elif not rank.answered:
                 out.append("its Python threads could not run: native code holds the GIL")

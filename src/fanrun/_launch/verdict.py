@@ -304,6 +304,8 @@ def _doing(evidence: RankEvidence, waiting: _Waits | None, now: float) -> tuple[
     """What a rank not in a collective is doing: its kind (a cause) and the words that say it."""
     if not evidence.running:
         return "ended", lambda many: _verb(many, "has ended", "have ended")
+    if evidence.unasked:
+        return "unknown", lambda many: f"could not be asked ({evidence.unasked})"
     progress, frames = evidence.progress, _frames(evidence)
     if progress is None:
         where = _where(frames)

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 from .. import _core
 from .._spec.spec import Launch
+from .rank_evidence import RankAnswer
 
 # From SIGTERM to SIGKILL when the run stops early.
 KILL_GRACE_S = 5.0
@@ -50,6 +52,11 @@ class Ranks(Protocol):
         """At a timeout, while the rank still runs: why it cannot dump its stack, if /proc says."""
 
     def exit_status(self, rank: int) -> tuple[int, int] | None: ...
+
+    def ask_for_evidence(self, ended: Collection[int]) -> dict[int, RankAnswer]:
+        """A stall's evidence, asked of every rank not in `ended` without stopping it, where it runs:
+        each rank's answer (rank_evidence.py), those of ended ranks with their last lines alone,
+        and for one that could not be asked (its node gave nothing in time), why."""
 
     def close(self) -> None:
         """Releases what the ranks no longer need (a rendezvous); called once, at the end."""

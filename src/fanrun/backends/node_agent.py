@@ -16,15 +16,16 @@ import pickle
 import socket
 import sys
 import threading
+import time
 
 from .. import _core
 from .._spec.paths import RunPaths
 from .local.rendezvous import Rendezvous
 from .._rank import tracking as rank_tracking
-from .._rank.contract import ENV_NODE_ID, error_name, log_name, result_name
+from .._rank.contract import ENV_NODE_ID, ENV_PROGRESS, error_name, log_name, progress_name, result_name
 from .._rank.contract import STACK_DUMP_SIGNAL
 from .metric_relay import MetricRelay
-from . import stack_dump
+from . import rank_evidence, stack_dump
 from .base import KILL_GRACE_S, STACK_DUMP_WAIT_S
 from .local import KEEPER
 from .rank_env import FORWARDED_PREFIXES, NodeLayout, flatten, rank_environment
@@ -36,6 +37,9 @@ LOG_RETURN_LIMIT = 32 << 20
 BATCH_WAIT_S = 30.0
 # How long the ranks' last metrics may take to reach the caller's agent once they have ended.
 RELAY_STOP_S = 30.0
+# Where the call is watched for stalls: how often the ranks' progress records are read and the
+# changed ones sent, as often as the caller's stall watch reads its own (_launch/stall_watch.py).
+PROGRESS_EVERY_S = 1.0
 
 _CANCEL, _KILL = b"c", b"k"
 
@@ -56,6 +60,7 @@ def agent_spec(launch) -> dict:
         "env": env,
         "tracked": env.get(rank_tracking.VARIABLE, rank_tracking.OFF) != rank_tracking.OFF,
         "timeout_s": float(launch.timeout) if launch.timeout is not None else 0.0,
+        "health": launch.call.options.health,
         "layout": {"nodes": plan.nodes, "local_world_size": plan.world_size // plan.nodes,
                    "world_size": plan.world_size, "use_gpus": plan.use_gpus},
     }
@@ -74,6 +79,19 @@ class NodeAgent:
         self._relay: MetricRelay | None = None
         self._supervisor = None
         self._paths: RunPaths | None = None
+        self._watched = False
+        self._progress_lock = threading.Lock()  # the pump's reads and a gathering's, posted in order
+        self._progress_sent: dict[int, bytes] = {}
+        self._progress_read_at = 0.0
+
+    def check_health(self, level: str, gpus: int) -> list[dict]:
+        """The cheap health gate on the `gpus` GPUs this node gives its ranks (none: a CPU call),
+        before any rank of the call starts: the unhealthy ones (_health/node.py)."""
+        if level == "off" or gpus == 0:
+            return []
+        from .._health import node
+
+        return node.unhealthy(gpus)
 
     def hold_rendezvous(self, address: str) -> int:
         """On node 0: a port on this node's address, held until just before the ranks start, when
@@ -87,6 +105,8 @@ class NodeAgent:
         self._first_rank = layout.first_rank
         self._ranks = range(layout.first_rank, layout.first_rank + layout.local_world_size)
         self._paths = paths = RunPaths.create(spec["name"], run_id=spec["run_id"])
+        # The caller watches the call for stalls: its ranks keep progress records, which go to it.
+        self._watched = spec["python"] and spec["env"].get(ENV_PROGRESS) == "1"
         if payload is not None:
             paths.write_payload(_with_node_sys_path(payload))
         # The node's environment, less the agent's own; the caller's forwarded variables, then
@@ -130,6 +150,24 @@ class NodeAgent:
     def cancel(self) -> None:
         os.write(self._wake_write, _CANCEL)
 
+    def gather(self) -> None:
+        """A stall's evidence from this node's ranks, without stopping them: asked on a thread of
+        its own (it waits for them up to rank_evidence.WAIT_S), and posted with their records
+        read afresh."""
+        threading.Thread(target=self._gather, name="fanrun-node-evidence", daemon=True).start()
+
+    def _gather(self) -> None:
+        supervisor, first = self._supervisor, self._first_rank
+        try:
+            running = {rank: supervisor.pid(rank - first) for rank in self._ranks
+                       if supervisor.exit_status(rank - first) is None}
+            answers = rank_evidence.ask(self._paths.directory, self._ranks, running)
+            self._send_progress()
+        except Exception as error:  # the caller hears why, and still makes its verdict from the rest
+            answers = rank_evidence.unasked(self._ranks, f"its node's agent failed to ask it: {type(error).__name__}: "
+                                                         f"{error}")
+        self._post(("evidence", answers))
+
     def kill(self) -> None:
         os.write(self._wake_write, _KILL)
 
@@ -153,7 +191,7 @@ class NodeAgent:
     def _follow_ranks(self) -> dict:
         supervisor = self._supervisor
         while True:
-            events, interrupted, done = supervisor.wait(-1.0)
+            events, interrupted, done = supervisor.wait(PROGRESS_EVERY_S if self._watched else -1.0)
             if interrupted:
                 commands = os.read(self._wake_read, 64)
                 if _KILL in commands:
@@ -171,6 +209,8 @@ class NodeAgent:
                         obstacles[local + self._first_rank] = obstacle
             if global_events or obstacles:
                 self._post(("events", global_events, obstacles))
+            if self._watched and (done or time.monotonic() - self._progress_read_at >= PROGRESS_EVERY_S):
+                self._send_progress()  # at the end too: the caller's goodput ledger takes the last ones
             if done:
                 break
         if self._relay is not None:
@@ -199,6 +239,20 @@ class NodeAgent:
         self._paths.remove_bulky_files(first + len(self._ranks))
         self._paths.close()
         return ending
+
+    def _send_progress(self) -> None:
+        """Posts the progress records of this node's ranks that changed since they were last sent,
+        as their bytes: the caller keeps them in its own run directory, where its stall watch,
+        tracking's step times and the goodput ledger read a local call's."""
+        with self._progress_lock:
+            self._progress_read_at = time.monotonic()
+            changed = {}
+            for rank in self._ranks:
+                data = _read(self._paths.directory / progress_name(rank), None)
+                if data and data != self._progress_sent.get(rank):
+                    changed[rank] = self._progress_sent[rank] = data
+            if changed:
+                self._post(("progress", changed))
 
     def _forward_metrics(self, records: list) -> None:
         self._post(("metrics", records))

@@ -17,8 +17,10 @@ import signal
 import time
 
 from .. import _core
-from .._errors import NodeLostError
+from .._errors import GpuHealthError, NodeLostError
+from .._rank.contract import progress_name
 from .._spec.paths import RunPaths
+from . import rank_evidence
 
 # As within a node (the engine's supervisor): a rank killed by a signal that no supervisor sent
 # (the OOM killer's SIGKILL, a SIGSEGV), seen this soon after a rank on another node failed, is
@@ -26,6 +28,26 @@ from .._spec.paths import RunPaths
 # supervisors' own SIGKILL comes KILL_GRACE_S after their SIGTERM, well outside this. (A node's
 # supervisor knows the SIGKILLs it sent, and waits longer: 6 s.)
 PEER_FAILURE_WINDOW_S = 3.0
+# How long a stall's evidence may take to come from every node: their ranks' own wait, and the
+# way back.
+EVIDENCE_WAIT_S = rank_evidence.WAIT_S + 10.0
+
+
+def check_health(found: dict[str, list[dict]], remedy: str) -> None:
+    """Each node's unhealthy GPUs (_health/node.py's, by the node's description) as one
+    GpuHealthError, before a rank starts on any node; nothing where every node is healthy."""
+    lines, problems = [], []
+    for where, gpus in found.items():
+        for gpu in gpus:
+            reason = "; ".join(gpu["problems"])
+            if gpu["index"] is None:
+                lines.append(f"{where}: {reason}")
+            else:
+                lines.append(f"{where}: GPU {gpu['index']} ({gpu['uuid']}, {gpu['name']}) is unhealthy: {reason}")
+                problems.append((gpu["index"], gpu["uuid"], reason))
+    if lines:
+        raise GpuHealthError("\n".join(lines) + f"\nNo rank was started on any node. {remedy}; health='off' runs "
+                             f"without the check. `fanrun doctor` on the node shows its GPUs.", tuple(problems))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +88,19 @@ class NodeRanks:
         self._closed = False
         self._news: queue.SimpleQueue = queue.SimpleQueue()
         self._news_read, self._news_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._evidence: dict[int, dict] = {}  # node -> its ranks' answers, once asked
+        # Events taken while a stall's evidence was awaited, which the next wait() hands on.
+        self._held_events: list = []
 
     def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0):  # each node's news as it comes
-        if self._news.empty():
+        if self._news.empty() and not self._held_events:
             select.select([self._news_read, self._wakeup_fd], [], [], None if max_wait_s < 0 else max_wait_s)
         interrupted = bool(select.select([self._wakeup_fd], [], [], 0)[0])  # the launcher drains it
         try:
             os.read(self._news_read, 1 << 16)
         except BlockingIOError:
             pass
-        events: list = []
+        events, self._held_events = self._held_events, []
         while True:
             try:
                 item = self._news.get_nowait()
@@ -91,6 +116,30 @@ class NodeRanks:
 
     def pid(self, rank: int) -> int:
         return self._pids[rank]
+
+    def ask_for_evidence(self, ended) -> dict[int, rank_evidence.RankAnswer]:
+        """Every node still running asked at once; their news meanwhile taken as wait() would, and
+        its events held for the next wait(). The ranks of a node that gives nothing within
+        EVIDENCE_WAIT_S are unasked (their records, kept here already, still count)."""
+        self._evidence = {}
+        asked = [node for node in range(len(self._nodes)) if node not in self._ended]
+        self._tell_others("gather", stopped=None)
+        deadline = time.monotonic() + EVIDENCE_WAIT_S
+        while any(node not in self._evidence and node not in self._ended for node in asked):
+            try:
+                item = self._news.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                break
+            self._take(item, self._held_events)
+        answers = {}
+        for node in asked:
+            if node in self._evidence:
+                answers.update(self._evidence[node])
+            elif node not in self._ended:
+                ranks = range(node * self._per_node, (node + 1) * self._per_node)
+                answers.update(rank_evidence.unasked(ranks, f"its node's agent gave no evidence within "
+                                                            f"{EVIDENCE_WAIT_S:g} s"))
+        return answers
 
     def exit_status(self, rank: int) -> tuple[int, int] | None:
         return self._exits.get(rank)
@@ -120,6 +169,11 @@ class NodeRanks:
                 if entry[0] == "metrics":
                     if self._link is not None:
                         self._link.forward(entry[1])
+                elif entry[0] == "progress":
+                    for rank, data in entry[1].items():
+                        self._paths.rewrite_file(progress_name(rank), data)
+                elif entry[0] == "evidence":
+                    self._evidence[node] = entry[1]
                 else:
                     self._take_events(node, entry[1], entry[2], events)
         elif kind == "ended" and "agent_error" not in body:
@@ -197,7 +251,7 @@ class NodeRanks:
                 self._command(node, command)
 
     def _command(self, node: int, command: str) -> None:
-        """Carries "cancel" or "kill" to the node's agent."""
+        """Carries "cancel", "kill" or "gather" to the node's agent."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -1,10 +1,63 @@
-"""Why a rank on this machine cannot dump its stack at a timeout, read from /proc while it still
-runs: every backend asks on the machine where the rank runs."""
+"""Asking a rank on this machine for its stack: every backend asks on the machine where the rank
+runs. A rank is signalled through a pidfd and known by its start time, so that a pid reused by
+another process is never signalled; why one cannot dump its stack is read from /proc while it
+still runs; what it dumped is read back from its file, never through a link."""
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
+
+# What faulthandler writes above every thread's stack.
+STACK_HEADER = "(most recent call first)"
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start, in clock ticks since boot: a pid reused later has another."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19])  # field 22 of stat(5); the two before the ")" split are gone
+
+
+def send_signal(pid: int, started: int | None, signo: int) -> str | None:
+    """Sends `signo` to the rank that started at `started`; why not, where it cannot be."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return "it has ended"
+    try:
+        # Checked once the pidfd holds the process: a pid reused since is another start time.
+        if start_time(pid) != started:
+            return "it has ended"
+        signal.pidfd_send_signal(pidfd, signo)
+    except ProcessLookupError:
+        return "it has ended"
+    finally:
+        os.close(pidfd)
+    return None
+
+
+def file_size(path: Path) -> int:
+    """The file's size; 0 where it does not exist yet."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def read_from(path: Path, offset: int) -> bytes:
+    """What the file holds past `offset`, never through a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link in place of a log is not read
+    except FileNotFoundError:
+        return b""
+    with os.fdopen(fd, "rb") as file:
+        file.seek(offset)
+        return file.read()
 
 
 def obstacle(pid: int, signo: signal.Signals) -> str | None:

@@ -16,7 +16,7 @@ from .rendezvous import Rendezvous
 from .survivors import Survivors
 from ..._rank import contract
 from ..._rank.contract import ABANDON_SIGNAL, STACK_DUMP_SIGNAL
-from .. import stack_dump
+from .. import rank_evidence, stack_dump
 from ..base import KILL_GRACE_S, STACK_DUMP_WAIT_S, Launch
 from ..rank_env import RANK_DEFAULTS, NodeLayout, flatten, rank_environment
 
@@ -82,7 +82,7 @@ class LocalBackend:
             # them ready as soon as this one has lasted as long as their imports.
             spare_ranks.POOL.fill_soon(plan.world_size, KEEPER, RANK_DEFAULTS)
         return LocalRanks(supervisor, rendezvous, keep=keep, keep_key=_keep_key(plan),
-                          survivors=survivors if survive else None)
+                          survivors=survivors if survive else None, directory=launch.paths.directory)
 
 
 def _spares_for(plan: Plan, keep: spare_ranks.KeptRanks | None, warm: bool, survivors: Survivors | None) -> list:
@@ -116,8 +116,9 @@ class LocalRanks:
     """The engine's supervisor of this machine's ranks, and the rendezvous they meet at."""
 
     def __init__(self, supervisor, rendezvous: Rendezvous, keep: spare_ranks.KeptRanks | None, keep_key: tuple,
-                 survivors: Survivors | None) -> None:
+                 survivors: Survivors | None, directory: Path) -> None:
         self._supervisor = supervisor
+        self._directory = directory
         self._rendezvous = rendezvous
         self._keep = keep
         self._keep_key = keep_key
@@ -157,6 +158,10 @@ class LocalRanks:
 
     def stack_dump_obstacle(self, rank: int) -> str | None:
         return stack_dump.obstacle(self.pid(rank), STACK_DUMP_SIGNAL)
+
+    def ask_for_evidence(self, ended) -> dict[int, rank_evidence.RankAnswer]:
+        ranks = range(self.world_size)
+        return rank_evidence.ask(self._directory, ranks, {rank: self.pid(rank) for rank in ranks if rank not in ended})
 
     def close(self) -> None:
         self._rendezvous.close()

@@ -18,6 +18,7 @@ from ..._errors import AcceleratorMismatchError, NodeEnvironmentError
 from ..._rank import tracking as rank_tracking
 from ..base import Launch
 from ..node_agent import agent_spec
+from ..node_ranks import check_health
 from . import connect, placement
 from .ranks import Node, RayRanks
 from ..versions import differences, installed_versions
@@ -68,6 +69,10 @@ class RayBackend:
         try:
             agents = placement.start_agents(ray, group, plan.nodes, per_node, plan.use_gpus)
             nodes = _describe(ray, agents)
+            level = launch.call.options.health
+            unhealthy = ray.get([agent.check_health.remote(level, per_node if plan.use_gpus else 0) for agent in agents])
+            check_health({node.describe(): found for node, found in zip(nodes, unhealthy, strict=True)},
+                         "Leave an unhealthy node out of the cluster (`ray stop` on it)")
             master_addr = nodes[0].address
             master_port = ray.get(agents[0].hold_rendezvous.remote(master_addr))
             payload = ray.put(launch.paths.payload.read_bytes()) if launch.expect_done else None

@@ -43,7 +43,7 @@ def main(spec_path: str) -> int:
 
     def say(item: tuple) -> None:
         with lock:
-            out.write(wire.news_line(node, item))
+            out.write(wire.news_lines(node, item))
             out.flush()
 
     spec_file = Path(spec_path)
@@ -52,12 +52,14 @@ def main(spec_path: str) -> int:
     agent = NodeAgent()
     found = spec_file.is_file() and _owned_by_me_alone(spec_file.parent)
     port = agent.hold_rendezvous(address) if found and node == 0 else None
+    spec = json.loads(spec_file.read_text()) if found else None
+    layout = spec["layout"] if spec else {}
+    unhealthy = agent.check_health(spec["health"], layout["local_world_size"] if layout["use_gpus"] else 0) if spec else []
     say(("hello", {"name": name, "hostname": socket.gethostname(), "address": address, "port": port,
-                   "versions": installed_versions(), "sees_run_dir": found}))
+                   "versions": installed_versions(), "sees_run_dir": found, "unhealthy": unhealthy}))
     command, value = wire.read_command(sys.stdin.buffer.readline())
     if command != wire.GO:
         return 0
-    spec = json.loads(spec_file.read_text())
     spec["master_addr"], spec["master_port"] = value
     spec["layout"] = {**spec["layout"], "node_rank": node}
     spec["node_id"] = name
@@ -112,6 +114,8 @@ def _obey(agent: NodeAgent) -> None:
             agent.cancel()
         elif command == wire.PUBLISH:
             agent.publish(value)
+        elif command == wire.GATHER:
+            agent.gather()
         elif command == wire.KILL:
             agent.kill()
             return

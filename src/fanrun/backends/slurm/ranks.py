@@ -13,7 +13,7 @@ import time
 
 from ..._errors import NodeEnvironmentError
 from ..._spec.paths import RunPaths
-from ..node_ranks import Node, NodeRanks
+from ..node_ranks import Node, NodeRanks, check_health
 from ..versions import differences, installed_versions
 from . import wire
 
@@ -76,12 +76,16 @@ class SlurmRanks(NodeRanks):
     def _tell_others(self, command: str, stopped: int | None) -> None:
         # srun gives every agent the same stdin: one line reaches them all (a node that ended ignores it).
         if len(self._ended) < len(self._nodes):
-            _send(self._srun, wire.command_line(wire.CANCEL if command == "cancel" else wire.KILL))
+            _send(self._srun, wire.command_line({"cancel": wire.CANCEL, "kill": wire.KILL, "gather": wire.GATHER}[command]))
 
     def _follow(self) -> None:
         while (news := self._incoming.get()) is not None:
             node, (kind, body) = news
-            if kind == "stopping":
+            if kind == "garbled":
+                # Some news of the node is lost, an end perhaps: the call cannot be trusted to end well.
+                for lost in range(len(self._nodes)) if node is None else [node]:
+                    self._post(("lost", lost, f"its agent's news could not be read ({body})"))
+            elif kind == "stopping":
                 self._post(("lost", node, f"Slurm stopped its agent and ranks with {body} (scancel, the job's time "
                                           f"limit, or the node's failure)"))
             else:
@@ -102,15 +106,23 @@ class _News:
         threading.Thread(target=self._read, args=(srun.stdout,), name="fanrun-srun-stdout", daemon=True).start()
 
     def _read(self, stream) -> None:
-        with stream:
-            for line in stream:
-                news = wire.read_news(line)
-                if news is None:
-                    sys.stdout.buffer.write(line)
-                    sys.stdout.flush()
-                else:
-                    self._queue.put(news)
-        self._queue.put(None)
+        joined = wire.News()
+        try:
+            with stream:
+                for line in stream:
+                    try:
+                        news = joined.read(line)
+                    except wire.GarbledNews as error:
+                        self._queue.put((error.node, ("garbled", str(error))))
+                        continue
+                    if news is None:
+                        # Text, not bytes: a notebook's sys.stdout has no binary buffer.
+                        sys.stdout.write(line.decode(errors="replace"))
+                        sys.stdout.flush()
+                    elif news[1] is not None:
+                        self._queue.put(news)
+        finally:
+            self._queue.put(None)  # whatever ended the reading: the caller hears that the news ended
 
     def get(self, timeout: float | None = None):
         return self._queue.get(timeout=timeout)
@@ -130,6 +142,8 @@ class _News:
                 raise NodeEnvironmentError(f"srun ended (exit status {srun.returncode}) before every node's agent "
                                            f"started: {stderr.text() or 'it said nothing'}")
             node, (item_kind, body) = news
+            if item_kind == "garbled":
+                raise NodeEnvironmentError(f"the Slurm nodes' agents could not be heard: {body}")
             if item_kind == kind:
                 found[node] = body
         return found
@@ -154,7 +168,8 @@ class _StderrTail:
 
 
 def _check(hellos: dict[int, dict], paths: RunPaths) -> None:
-    """Every node sees the run directory and runs the caller's versions; else no rank starts."""
+    """Every node sees the run directory, runs the caller's versions and has healthy GPUs; else no
+    rank starts."""
     for node, hello in sorted(hellos.items()):
         where = f"node {node} ({hello['name']}, host {hello['hostname']})"
         if not hello["sees_run_dir"]:
@@ -166,6 +181,9 @@ def _check(hellos: dict[int, dict], paths: RunPaths) -> None:
         if wrong:
             raise NodeEnvironmentError(f"{where} has {', '.join(wrong)}. Every node must run the caller's versions of "
                                        f"Python, torch, cloudpickle and fanrun: install the same ones there")
+    check_health({f"node {node} ({hello['name']}, host {hello['hostname']})": hello["unhealthy"]
+                  for node, hello in sorted(hellos.items())},
+                 "Leave an unhealthy node out of the call (slurm={'exclude': 'NAME'}, or sbatch --exclude=NAME)")
 
 
 def _send(srun: subprocess.Popen, line: bytes) -> None:
