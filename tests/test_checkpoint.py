@@ -208,6 +208,37 @@ def test_items_written_and_read_in_many_batches_load_back(tmp_path, monkeypatch)
     assert torch.equal(loaded["strided"], state["strided"]) and loaded["meta"] == {"a": 1}
 
 
+def test_a_batch_that_fails_to_stage_while_the_one_before_is_written_fails_the_save_cleanly(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fanrun.data import VolumeWriter
+    from fanrun.data.checkpoint import engine_io, writer
+
+    # The next batch is staged while the engine writes the one before: a failure there must
+    # wait for that write (which reads the staged memory) and leave no checkpoint behind.
+    monkeypatch.setattr(engine_io, "BATCH_BYTES", 1000)
+    monkeypatch.setattr(engine_io, "HOST_BATCH_FACTOR", 1)
+    staged = []
+    real_to_host = writer._to_host
+
+    def to_host_failing_third(batch):
+        staged.append(batch)
+        if len(staged) == 3:
+            raise MemoryError("no pinned memory left for batch 3")
+        return real_to_host(batch)
+
+    monkeypatch.setattr(writer, "_to_host", to_host_failing_third)
+    with pytest.raises(CheckpointException, match="no pinned memory left for batch 3"):
+        save_here({"model": make_model(seed=5).state_dict()}, VolumeWriter(tmp_path / "ckpt"))
+    assert len(staged) == 3 and not (tmp_path / "ckpt").exists()
+    partial = [name for name in os.listdir(tmp_path) if not name.endswith(".lock")]
+    assert len(partial) == 1 and os.listdir(tmp_path / partial[0]) == []  # the data file is removed
+    # The next save clears what the failed one left and publishes.
+    monkeypatch.setattr(writer, "_to_host", real_to_host)
+    save_here({"model": make_model(seed=5).state_dict()}, VolumeWriter(tmp_path / "ckpt"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
 def test_overwriting_never_leaves_the_path_without_a_complete_checkpoint(tmp_path):
     import threading
 

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -277,17 +278,26 @@ class VolumeWriter(StorageWriter, AsyncStager):
         on_device = any(e.tensor.device.type != "cpu" for e in entries)
         batches = engine_io.batches(entries, engine_io.BATCH_BYTES if on_device else engine_io.BATCH_BYTES * engine_io.HOST_BATCH_FACTOR)
         crcs: list[int] = []
-        following = _to_host(batches[0]) if batches else None
-        for index, batch in enumerate(batches):
-            hosts, copies = following
-            following = _to_host(batches[index + 1]) if index + 1 < len(batches) else None
-            copies.ready()
-            items = [
-                (host.data_ptr() if e.size else 0, e.size, e.offset, engine_io.label(e.item.index))
-                for e, host in zip(batch, hosts, strict=True)
-            ]
-            crcs += writer.write(items)
-            del hosts  # pinned memory goes back to torch's cache, for the batch after next
+        if not batches:
+            return crcs
+        following = _to_host(batches[0])
+        # The engine writes a batch on this thread while the caller's thread stages the next: a
+        # process's first save allocates its pinned memory then, behind the disk, not before it.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanrun-checkpoint-write") as engine:
+            for index, batch in enumerate(batches):
+                hosts, copies = following
+                copies.ready()
+                items = [
+                    (host.data_ptr() if e.size else 0, e.size, e.offset, engine_io.label(e.item.index))
+                    for e, host in zip(batch, hosts, strict=True)
+                ]
+                written = engine.submit(writer.write, items)
+                try:
+                    following = _to_host(batches[index + 1]) if index + 1 < len(batches) else None
+                finally:
+                    # Even when staging fails: the engine reads `hosts` until its write returns.
+                    crcs += written.result()
+                del hosts  # pinned memory goes back to torch's cache, for the batch after next
         return crcs
 
     # ------------------------------------------------------------ publishing (coordinator)
