@@ -52,8 +52,9 @@ print(" ".join(sorted(path.stem for path in folder.glob("*.py"))))
 def test_the_rank_package_loads_with_torch_mlflow_and_cloudpickle_unimportable():
     done = subprocess.run([sys.executable, "-c", RANK_PACKAGE_ALONE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["__init__", "abandon", "call_store", "contract", "keep", "metric_sender", "panel_feed",
-                                   "progress", "result_file", "spare", "tracking", "tracking_off", "worker"]
+    assert done.stdout.split() == ["__init__", "abandon", "after_import", "call_store", "contract", "group_release", "keep",
+                                   "metric_sender", "panel_feed", "progress", "result_file", "spare", "tracking",
+                                   "tracking_off", "worker"]
     loaded = modules_after("import fanrun._rank.worker, fanrun._rank.tracking, fanrun._rank.result_file")
     assert {m for m in loaded if m.split(".")[0] in ("torch", "mlflow", "cloudpickle", "numpy")} == set()
 

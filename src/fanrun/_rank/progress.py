@@ -27,7 +27,6 @@ from __future__ import annotations
 import faulthandler
 import functools
 import importlib
-import importlib.util
 import json
 import mmap
 import os
@@ -39,6 +38,7 @@ import time
 import traceback
 
 _contract = runpy.run_path(os.path.join(os.path.dirname(__file__), "contract.py"))
+_call_after_import = runpy.run_path(os.path.join(os.path.dirname(__file__), "after_import.py"))["call_after_import"]
 _FORMAT = struct.Struct(_contract["PROGRESS_FORMAT"])
 _FIELD = {name: index for index, name in enumerate(_contract["PROGRESS_FIELDS"])}
 _COMPUTE, _DATA, _COLLECTIVE = _contract["STATE_COMPUTE"], _contract["STATE_DATA"], _contract["STATE_COLLECTIVE"]
@@ -101,10 +101,7 @@ def install(run_dir: str, rank: int) -> None:
         os.register_at_fork(after_in_child=_forget_record)
     _record = _Record(os.path.join(run_dir, _contract["progress_name"](rank)))
     _Forensics.start(run_dir, rank)
-    if "torch" in sys.modules:
-        _patch_torch()
-    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport("torch", _patch_torch))
+    _call_after_import("torch", _patch_torch)
 
 
 def mark(field: str) -> None:
@@ -120,30 +117,6 @@ def _forget_record() -> None:
     _record = None
 
 
-class _AfterImport:
-    """A meta path finder that calls `after()` once a module's first import has run."""
-
-    def __init__(self, name: str, after) -> None:
-        self._name = name
-        self._after = after
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self._name:
-            return None
-        sys.meta_path.remove(self)  # once only, and the real finders must not meet it again
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module, after = spec.loader.exec_module, self._after
-
-        def exec_then_call_back(module) -> None:
-            exec_module(module)
-            after()
-
-        spec.loader.exec_module = exec_then_call_back
-        return spec
-
-
 def _patch_torch() -> None:
     """Times torch's steps, batches and collectives, once per process: a kept rank's later calls
     find them timed already, and write to their own record."""
@@ -154,11 +127,8 @@ def _patch_torch() -> None:
     if _record is not None:
         _record.values[_FIELD["torch_at"]] = time.time()  # the ledger counts the import as the start's
         _record.write()
-    if CHECKPOINT_MODULE in sys.modules:
-        _patch_checkpoint()
-    else:
-        # Imported by the function only when it saves; importing it here would cost every rank.
-        sys.meta_path.insert(0, _AfterImport(CHECKPOINT_MODULE, _patch_checkpoint))
+    # Imported by the function only when it saves; importing it here would cost every rank.
+    _call_after_import(CHECKPOINT_MODULE, _patch_checkpoint)
     try:
         importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook(_stepped)
     except (ImportError, AttributeError):

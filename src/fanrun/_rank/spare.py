@@ -81,6 +81,7 @@ def main() -> None:
             # Out of the handler, where nothing holds the error's frames, and with them the process
             # group that torch ends once nothing refers to it (its gloo threads with it).
             gc.collect()
+            worker["release_groups"]()  # after the frames, so that these are the groups' last references
             worker["end_tracking"]()
             obstacle = obstacle or keep["obstacle"]() or keep["end_descendants"]()
             if obstacle is not None:
@@ -94,6 +95,7 @@ def main() -> None:
         if not kept:
             return
         keep["end_process_group"]()
+        worker["release_groups"]()
         worker["end_tracking"]()
         # A cold rank's call ends with every process it started (its keeper kills them): so does a kept one's.
         obstacle = keep["obstacle"]() or keep["end_descendants"]()

@@ -30,6 +30,8 @@ def _sibling(name: str) -> dict:
 
 
 _contract = types.SimpleNamespace(**_sibling("contract.py"))
+# The process groups the function destroys, held until its result is sent (group_release.py).
+_groups = _sibling("group_release.py")
 
 STACK_DUMP_SIGNAL = _contract.STACK_DUMP_SIGNAL
 
@@ -89,6 +91,7 @@ def main(abandon=None) -> None:
         _end_tracking = tracking["end_call"]
         _flush_metrics = tracking["flush_metrics"]
         tracking_hooks = [hook for hook in sys.meta_path if not any(hook is old for old in before)]
+    _groups["install"]()
     mode = sys.argv[1]
     run_dir = Path(os.environ[_contract.ENV_RUN_DIR])
     rank = int(os.environ["RANK"])
@@ -100,9 +103,16 @@ def main(abandon=None) -> None:
         _run_function(run_dir, rank, abandon)
     else:
         _run_program(mode, sys.argv[2], sys.argv[3:], run_dir, rank)
+    release_groups()
     # Tracking's hook, where this call never imported mlflow, must not wait for the next call.
     sys.meta_path[:] = [hook for hook in sys.meta_path if not any(hook is own for own in tracking_hooks)]
     _exit_status = 0
+
+
+def release_groups() -> None:
+    """Lets go of the process groups the call destroyed (group_release.py): a rank that stays
+    for another call does so once its result is out, before it asks whether it may stay."""
+    _groups["release"]()
 
 
 def _exit_before_teardown() -> None:
