@@ -281,7 +281,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
         if not batches:
             return crcs
         following = _to_host(batches[0])
-        # The engine writes a batch on this thread while the caller's thread stages the next: a
+        # A thread of its own hands each batch to the engine while this one stages the next: a
         # process's first save allocates its pinned memory then, behind the disk, not before it.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanrun-checkpoint-write") as engine:
             for index, batch in enumerate(batches):
