@@ -336,6 +336,8 @@ def test_stacks_of_a_running_call_from_another_thread_and_from_a_shell(tmp_path)
         for rank in range(2):
             section = text.split(f"--- rank {rank} of run ")[1].split("--- rank")[0]
             assert "(most recent call first)" in section and "wait_for_go" in section, done.stdout
+            # Asked on the rank's FIFO, which names the threads, rather than dumped on a signal.
+            assert "[MainThread] (most recent call first)" in section, done.stdout
     assert cli.startswith("0 ") and done.stdout.rstrip().endswith("returned [0, 1]"), done.stdout
     assert processes_of_runs_under(os.environ["FANRUN_RUNS_DIR"]) == []
 

@@ -4,7 +4,6 @@ sentence, culprits and cause, on stacks that faulthandler wrote for real in a st
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
 import subprocess
@@ -14,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from fanrun._file_changes import FileChanges
 from fanrun._launch.stall_report import RankEvidence, RankProgress
 from fanrun._launch.verdict import parse_stack, verdict
 from fanrun._rank import contract
+from fanrun.backends import rank_evidence
 
 # A process stuck where a mode says, with a second thread waiting, whose every thread's stack
 # faulthandler dumps on SIGUSR1 (or, in "from-thread", from a third thread when a line comes on
@@ -190,8 +189,8 @@ def test_a_rank_that_sleeps_in_its_dataloader_is_named_with_its_wait(stuck):
 
 def test_a_rank_whose_dataloader_really_sleeps_is_named_from_its_own_progress_record(tmp_path):
     """The rank side as it runs (_rank/progress.py): a DataLoader whose dataset sleeps in
-    load_batch, its record read back, its stacks dumped on the forensics signal and its main
-    thread's frames answered on its FIFO."""
+    load_batch, its record read back, and its stacks and main thread's frames asked as a stall's
+    evidence is."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""\
         import sys, time
@@ -223,22 +222,15 @@ def test_a_rank_whose_dataloader_really_sleeps_is_named_from_its_own_progress_re
             assert process.stdout.readline() == "ready\n"
             record = RankProgress.read(run_dir / contract.progress_name(0), 0)
             assert (record.state, record.batches, record.pid) == ("data", 2, process.pid)
-            stacks = run_dir / contract.forensics_stacks_name(0)
-            answer = run_dir / contract.forensics_answer_name(0)
-            with FileChanges([str(stacks)], [str(run_dir)]) as changes:
-                os.kill(process.pid, contract.FORENSICS_SIGNAL)
-                with open(run_dir / contract.forensics_ask_name(0), "w") as ask:
-                    ask.write("evidence\n")
-                # The main thread is listed last: its outermost frame ends the dump.
-                while not (stacks.read_text().endswith("in <module>\n") and answer.exists()):
-                    assert changes.wait(60), "the rank wrote no stacks or evidence"
-            frames = tuple(tuple(frame) for frame in json.loads(answer.read_text())["main_stack"])
+            (given,) = rank_evidence.ask(run_dir, [0], {0: process.pid}).values()
         finally:
             process.kill()
-    dumped = parse_stack(stacks.read_text())
+    assert given.answer is not None, given
+    dumped = parse_stack(given.stack)
     assert dumped[-1][1:] == (8, "load_batch") and dumped[0][1:] == (17, "<module>")
+    frames = tuple(tuple(frame) for frame in given.answer["main_stack"])
     assert frames[-1][1:] == (8, "load_batch")
-    rank = evidence(0, record, stack=stacks.read_text(), frames=frames)
+    rank = evidence(0, record, stack=given.stack, frames=frames)
     assert judged([rank], record.state_since + 94) == Judged(
         "rank 0 is in DataLoader.__next__ (waiting for data for 94 s)", (0,), "data")
 

@@ -1,7 +1,8 @@
-"""The stacks of every rank of a running call, without stopping it: each rank's faulthandler
-dumps every thread's stack on the stack-dump signal into the rank's log, where they are read
-back. The ranks are the processes ranks.json names, checked by their start time, and signalled
-through a pidfd, so that a pid reused by another process is never signalled."""
+"""The stacks of every rank of a running call, without stopping it: each rank is asked on its
+FIFO, as a stall's evidence is, and one that has none (a native program's) dumps every thread's
+stack on the stack-dump signal into its log, where they are read back. The ranks are the
+processes ranks.json names, checked by their start time, and signalled through a pidfd, so that
+a pid reused by another process is never signalled."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from .._private_dir import open_private
 from .._rank.contract import STACK_DUMP_SIGNAL
 from . import records, running_calls
 from .._file_changes import FileChanges
-from ..backends.stack_dump import STACK_HEADER, file_size, read_from, send_signal
+from ..backends import rank_evidence
+from ..backends.stack_dump import STACK_HEADER, file_size, read_from, send_signal, start_time
 from .stall_report import REPORT_TEXT
 from .._spec.paths import rank_log
 
@@ -140,12 +142,23 @@ def _is_int(value: object) -> bool:
 
 
 def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str]:
-    logs = {rank: rank_log(directory, rank) for rank in range(len(ranks))}
+    """Each rank's stacks, asked as a stall's evidence is (rank_evidence.py signals only a rank
+    that cannot answer: faulthandler's dump from a signal handler crashes a rank whose other thread
+    runs Python meanwhile); a rank that has no FIFO to ask dumps into its log on STACK_DUMP_SIGNAL."""
+    alive = {rank: pid for rank, (pid, started) in enumerate(ranks) if start_time(pid) == started}
+    out = {rank: given.stack for rank, given in rank_evidence.ask(directory, list(alive), alive).items()
+           if STACK_HEADER in given.stack}
+    out.update(_dump_into_logs(directory, {rank: entry for rank, entry in enumerate(ranks) if rank not in out}))
+    return out
+
+
+def _dump_into_logs(directory: Path, ranks: dict[int, tuple[int, int | None]]) -> dict[int, str]:
+    logs = {rank: rank_log(directory, rank) for rank in ranks}
     offsets = {rank: file_size(path) for rank, path in logs.items()}
     out: dict[int, str] = {}
     signalled = []
     with FileChanges([str(path) for path in logs.values() if path.exists()]) as changes:
-        for rank, (pid, started) in enumerate(ranks):
+        for rank, (pid, started) in ranks.items():
             why = send_signal(pid, started, STACK_DUMP_SIGNAL)
             if why is None:
                 signalled.append(rank)

@@ -11,12 +11,12 @@ every thread is stuck can still be read, as the record lies in the page cache, n
 The worker marks when the function began, returned or raised (mark()); with the first collective
 or step, the record is "ready". The caller's goodput ledger (_launch/goodput.py) reads these marks.
 
-Evidence, when the caller asks for it:
-- every thread's Python stack, which faulthandler writes on FORENSICS_SIGNAL into the rank's
-  stacks file (it needs no GIL, so a rank stuck in native code that holds it still answers);
-- the last collectives of torch's flight recorder, and the main thread's stack as frames, which
-  a thread of this rank writes when a line comes on its FIFO. That thread needs the GIL: a rank
-  whose native code holds it cannot answer, which is itself the evidence.
+Evidence, when the caller asks for it on this rank's FIFO: the main thread's frames, the last
+collectives of torch's flight recorder and, a moment later, every thread's Python stack, which a
+thread of this rank writes. That thread needs the GIL: a rank whose native code holds it cannot answer,
+which is itself the evidence, and the caller then signals FORENSICS_SIGNAL, on which faulthandler
+writes every thread's stack into the rank's stacks file without the GIL. Only then: faulthandler
+reads the threads unlocked, which crashes the rank where one of them runs Python meanwhile.
 
 Run as a file by the worker, like the worker itself: standard library only; torch is never
 imported here.
@@ -54,6 +54,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "scatter_object_list", "send")
 # How many of the flight recorder's last entries a rank's evidence holds.
 EVIDENCE_COLLECTIVES = 16
+# How many frames of each thread it holds, innermost first: faulthandler's bound, read the same way.
+STACK_FRAMES = 100
+# How far apart its two looks at the main thread are: ten of the interpreter's switch intervals.
+LOOKS_APART_S = 0.05
 
 _record: _Record | None = None  # this call's record; a kept rank gets a new one each call
 _patched = False
@@ -330,9 +334,14 @@ class _Forensics:
                     self._write({"error": f"{type(error).__name__}: {error}"})
 
     def _write_evidence(self) -> None:
-        frame = sys._current_frames().get(self._main)
-        stack = [[f.filename, f.lineno, f.name] for f in traceback.extract_stack(frame)] if frame else []
-        self._write({"time": time.time(), "main_stack": stack, "collectives": _flight_recorder()})
+        main = sys._current_frames().get(self._main)
+        stack = [[f.filename, f.lineno, f.name] for f in traceback.extract_stack(main)] if main else []
+        collectives = _flight_recorder()
+        # A second look, with the GIL given up between: a main thread that runs Python has moved
+        # by then, one in a native call has not (the launcher's verdict tells them apart so).
+        time.sleep(LOOKS_APART_S)
+        self._write({"time": time.time(), "main_stack": stack,
+                     "stacks": _every_stack(sys._current_frames(), self._main), "collectives": collectives})
 
     def _write(self, evidence: dict) -> None:
         tmp = f"{self._answer}.tmp"
@@ -340,6 +349,28 @@ class _Forensics:
         with os.fdopen(fd, "w") as out:
             json.dump(evidence, out)
         os.replace(tmp, self._answer)
+
+
+def _every_stack(frames: dict, main: int | None) -> str:
+    """Every thread's stack but this one's, as faulthandler writes them (innermost frame first, at
+    most STACK_FRAMES, the main thread last), read under the GIL: faulthandler's own dump, from a
+    signal handler, reads the threads without it and crashes the rank when one of them runs Python."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    me = threading.get_ident()
+    order = [ident for ident in frames if ident not in (me, main)] + ([main] if main in frames else [])
+    out = []
+    for ident in order:
+        lines = [f"Thread 0x{ident:016x} [{names.get(ident, '?')}] (most recent call first):"]
+        frame = frames[ident]
+        while frame is not None and len(lines) <= STACK_FRAMES:
+            code = frame.f_code
+            line = "???" if frame.f_lineno is None else frame.f_lineno
+            lines.append(f'  File "{code.co_filename}", line {line} in {code.co_name}')
+            frame = frame.f_back
+        if frame is not None:
+            lines.append("  ...")
+        out.append("\n".join(lines))
+    return "\n\n".join(out) + "\n"
 
 
 def _flight_recorder() -> list[dict] | None:

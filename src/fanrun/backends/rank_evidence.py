@@ -1,9 +1,11 @@
 """The evidence of a stalled call, asked of the ranks of this machine without stopping them: every
 backend asks on the machine where its ranks run (a node's agent for its own).
-- every thread's stack, which the rank's faulthandler writes into its stacks file on
-  FORENSICS_SIGNAL (it needs no GIL);
-- the flight recorder's last collectives and the main thread's frames, which the rank's
-  forensics thread writes when asked on its FIFO (it needs the GIL: no answer is evidence too);
+- every thread's stack, the main thread's frames and the flight recorder's last collectives,
+  which the rank's forensics thread writes when asked on its FIFO (it needs the GIL);
+- from a rank that gives no answer in ANSWER_S (its GIL is held), every thread's stack, which its
+  faulthandler writes into its stacks file on FORENSICS_SIGNAL without the GIL. A rank is
+  signalled only then: faulthandler reads the threads unlocked, and a thread that runs Python
+  meanwhile, as the forensics thread does while it answers, crashes the rank;
 - its last lines of output.
 The launcher judges it (_launch/forensics.py, verdict.py)."""
 
@@ -22,8 +24,9 @@ from .._rank import contract
 from .._spec.paths import rank_log
 from .stack_dump import STACK_HEADER, file_size, read_from, send_signal, start_time
 
-# How long the ranks get to write their stacks and to answer, and how long a stacks file may
-# pause before its dump counts as done.
+# How long the ranks get to answer before the silent ones are signalled, how long they get in
+# all, and how long a stacks file may pause before its dump counts as done.
+ANSWER_S = 1.0
 WAIT_S = 3.0
 QUIET_S = 0.2
 LAST_LINES = 5
@@ -41,38 +44,49 @@ class RankAnswer:
 
 def ask(directory: Path, ranks: Sequence[int], running: Mapping[int, int]) -> dict[int, RankAnswer]:
     """What each of `ranks`, whose files are in `directory`, gave: the running ones (rank -> pid)
-    asked at once, waited for at most WAIT_S; an ended one's last lines alone."""
+    asked at once, the silent ones among them signalled after ANSWER_S, all waited for WAIT_S at
+    most; an ended one's last lines alone. A rank without a FIFO (no forensics thread, so no
+    handler for the signal either) gives its last lines alone."""
     stacks = {rank: directory / contract.forensics_stacks_name(rank) for rank in running}
     answers = {rank: directory / contract.forensics_answer_name(rank) for rank in running}
     offsets = {rank: file_size(path) for rank, path in stacks.items()}
     asked_at = time.time()
+    texts: dict[int, str] = {}  # the faulthandler dumps of the signalled ranks, as they grow
+    evidence: dict[int, dict] = {}
     with FileChanges([], [str(directory)]) as changes:
         asked = [rank for rank in running if _ask(directory / contract.forensics_ask_name(rank))]
-        signalled = [rank for rank, pid in running.items()
-                     if send_signal(pid, start_time(pid), contract.FORENSICS_SIGNAL) is None]
-        texts = dict.fromkeys(signalled, "")
-        evidence: dict[int, dict] = {}
-        deadline = time.monotonic() + WAIT_S
-        last_growth = time.monotonic()
+        signal_at, deadline = time.monotonic() + ANSWER_S, time.monotonic() + WAIT_S
+        signalled = False
+        last_growth = 0.0
         while True:
-            for rank in signalled:
+            for rank in asked:
+                if rank not in evidence and (answer := _fresh_answer(answers[rank], asked_at)) is not None:
+                    evidence[rank] = answer
+            silent = [rank for rank in asked if rank not in evidence]
+            now = time.monotonic()
+            if not signalled and silent and now >= signal_at:
+                texts = {rank: "" for rank in silent if send_signal(
+                    running[rank], start_time(running[rank]), contract.FORENSICS_SIGNAL) is None}
+                signalled, last_growth = True, now
+            for rank in texts:
                 more = read_from(stacks[rank], offsets[rank] + len(texts[rank].encode()))
                 if more:
                     texts[rank] += more.decode("utf-8", "replace")
-                    last_growth = time.monotonic()
-            for rank in asked:
-                if rank not in evidence:
-                    answer = _fresh_answer(answers[rank], asked_at)
-                    if answer is not None:
-                        evidence[rank] = answer
-            now = time.monotonic()
-            stacks_done = all(STACK_HEADER in texts[rank] for rank in signalled) and now - last_growth >= QUIET_S
-            if now >= deadline or (stacks_done and len(evidence) == len(asked)):
+                    last_growth = now
+            dumped = signalled and now - last_growth >= QUIET_S and all(
+                STACK_HEADER in texts[rank] for rank in silent if rank in texts)
+            if now >= deadline or not silent or dumped:
                 break
-            changes.wait(min(deadline - now, QUIET_S))
-    return {rank: RankAnswer(stack=texts.get(rank, ""), answer=evidence.get(rank),
+            changes.wait(min(deadline - now, QUIET_S) if signalled else signal_at - now)
+    return {rank: RankAnswer(stack=_stack(evidence.get(rank), texts.get(rank, "")), answer=evidence.get(rank),
                              last_lines=tuple(last_lines(rank_log(directory, rank))))
             for rank in ranks}
+
+
+def _stack(answer: dict | None, dumped: str) -> str:
+    """A rank's stacks: its forensics thread's, else what its faulthandler dumped."""
+    given = answer.get("stacks") if answer is not None else None
+    return given if isinstance(given, str) else dumped
 
 
 def _ask(fifo: Path) -> bool:
