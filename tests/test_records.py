@@ -180,13 +180,10 @@ def test_a_blocking_call_is_listed_stacked_logged_and_attached_while_it_runs_and
     run = fanrun.Run(run_id)
     assert run.status == "FINISHED" and run.wait(timeout=1) == "FINISHED"
     assert run.info["kind"] == "blocking" and run.info["world_size"] == 2 and len(run.info["run_dirs"]) == 1
-    # One rank's log as it is, unlabelled: its lines, and the stack `fanrun stacks` made it dump.
+    # One rank's log as it is, unlabelled: its lines alone. `fanrun stacks` asked the rank on its
+    # FIFO, so no dump went into the log.
     for rank, logs in enumerate([cli("logs", run_id, "--rank", "0").stdout, run.logs(rank=1)]):
-        assert logs.startswith(f"before the gate, rank {rank}\n") and logs.endswith(f"\nafter the gate, rank {rank}\n"), logs
-        stack = logs.split("\n", 1)[1].rsplit("after the gate", 1)[0]
-        # Whichever thread takes the signal, the dump holds every thread, the user's function among them.
-        assert stack.startswith(("Current thread ", "Thread ")) and "Current thread " in stack, logs
-        assert "caller.py\", line " in stack and " in steps\n" in stack and "[rank" not in logs, logs
+        assert logs == f"before the gate, rank {rank}\nafter the gate, rank {rank}\n", logs
     assert cli("cancel", run_id).returncode == 0  # ended already: nothing to stop
     again = cli("attach", run_id)  # an ended run: its whole output, at once
     assert again.returncode == 0 and "[rank1]: after the gate, rank 1\n" in again.stdout, again.stderr
