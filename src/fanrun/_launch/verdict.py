@@ -341,8 +341,8 @@ def _frames(evidence: RankEvidence) -> tuple[Frame, ...]:
 
 
 def _runs_python(evidence: RankEvidence) -> bool:
-    """Whether the main thread moved between its two looks (the forensics thread's frames and
-    faulthandler's): it runs Python, where a call into native code would keep it in place."""
+    """Whether the main thread moved between its two looks (the forensics thread's frames, then
+    its stacks 50 ms later): it runs Python, where a call into native code would keep it in place."""
     dumped = parse_stack(evidence.stack)
     return bool(evidence.main_frames and dumped and evidence.main_frames[-1] != dumped[-1])
 

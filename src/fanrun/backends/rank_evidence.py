@@ -55,7 +55,8 @@ def ask(directory: Path, ranks: Sequence[int], running: Mapping[int, int]) -> di
     evidence: dict[int, dict] = {}
     with FileChanges([], [str(directory)]) as changes:
         asked = [rank for rank in running if _ask(directory / contract.forensics_ask_name(rank))]
-        signal_at, deadline = time.monotonic() + ANSWER_S, time.monotonic() + WAIT_S
+        start = time.monotonic()
+        signal_at, deadline = start + ANSWER_S, start + WAIT_S
         signalled = False
         last_growth = 0.0
         while True:
