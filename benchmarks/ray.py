@@ -22,6 +22,8 @@ sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != o
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import re  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -33,6 +35,8 @@ CALL_GOAL = 0.7
 FAILURE_GOAL_S = 1.0
 THROUGHPUT_TOLERANCE = 0.02
 FAILING_RANK = 2  # on node 1
+# Ray's daemons and workers end within a few seconds of its cluster's shutdown on a loaded machine.
+SHUTDOWN_GRACE_S = 15.0
 
 
 # ---------------------------------------------------------------- what the ranks run
@@ -179,6 +183,76 @@ def whole_call_and_failure(runs: dict, calls: int, warm_up: bool) -> list[str]:
     ]
 
 
+# ---------------------------------------------------------------- the cluster's processes
+
+
+def cluster_processes() -> dict[int, tuple[int, str]]:
+    """Every live descendant of this process (the cluster's daemons and their workers), by pid,
+    with its start time (so that a reused pid is never taken for it) and its command line."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as file:
+                fields = file.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, parents = {}, [os.getpid()]
+    while parents:
+        for pid in children.get(parents.pop(), []):
+            started = process_start(pid)
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as file:
+                    command = file.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+            except OSError:
+                continue
+            if started is not None:
+                found[pid] = (started, command)
+                parents.append(pid)
+    return found
+
+
+def process_start(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return int(file.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def end_what_shutdown_left(processes: dict[int, tuple[int, str]]) -> None:
+    """Waits up to SHUTDOWN_GRACE_S for the cluster's processes to end, then kills and names each
+    one left: Ray Train's controller actor has outlived its cluster's shutdown by more than a
+    minute on a loaded 2-core machine, and a benchmark stops all it started."""
+    handles = {}
+    for pid, (started, command) in processes.items():
+        try:
+            handle = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        if process_start(pid) == started:
+            handles[handle] = (pid, command)
+        else:
+            os.close(handle)  # the pid was reused
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    waiting = set(handles)
+    while waiting and (remaining := deadline - time.monotonic()) > 0:
+        ended, _, _ = select.select(list(waiting), [], [], remaining)
+        waiting.difference_update(ended)
+    if waiting:
+        print(f"ray.py: {len(waiting)} of the cluster's processes were still running {SHUTDOWN_GRACE_S:.0f} s "
+              f"after its shutdown; they are killed now:", file=sys.stderr)
+        for handle in waiting:
+            print(f"  {handles[handle][0]}: {handles[handle][1]}", file=sys.stderr)
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
+        select.select(list(waiting), [], [], SHUTDOWN_GRACE_S)
+    for handle in handles:
+        os.close(handle)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=5, help="timed whole calls of each, after one warm-up")
@@ -235,7 +309,9 @@ def main() -> None:
         print(f"  throughput 1.00 +/- {THROUGHPUT_TOLERANCE}: {throughput_ratio:.3f} {verdict}")
     finally:
         fanrun.ray_shutdown()
+        processes = cluster_processes()
         cluster.shutdown()
+        end_what_shutdown_left(processes)
 
 
 if __name__ == "__main__":

@@ -79,9 +79,7 @@ def test_benchmark_smoke_run_prints_its_report(script, tmp_path):
     # write (MLflow stores, corpora) lands in the checkout.
     command = [sys.executable, str(BENCHMARKS / script), "--smoke", *args]
     if script in IN_A_NETWORK_NAMESPACE:
-        # Ray Train's own controller actor has outlived its cluster's shutdown by more than
-        # netns.py's default 15 s on the loaded 2-core machine; a process left for good still fails.
-        command = [sys.executable, str(ROOT / "tests" / "ray" / "netns.py"), "--grace", "60", *command]
+        command = [sys.executable, str(ROOT / "tests" / "ray" / "netns.py"), *command]
     done = run_leaving_nothing(command, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for text in expected:

@@ -18,7 +18,7 @@ from .._rank.contract import STACK_DUMP_SIGNAL
 from . import records, running_calls
 from .._file_changes import FileChanges
 from ..backends import rank_evidence
-from ..backends.stack_dump import STACK_HEADER, file_size, read_from, send_signal, start_time
+from ..backends.stack_dump import STACK_HEADER, DumpReader, send_signal, start_time
 from .stall_report import REPORT_TEXT
 from .._spec.paths import rank_log
 
@@ -154,33 +154,24 @@ def _dump(directory: Path, ranks: list[tuple[int, int | None]]) -> dict[int, str
 
 def _dump_into_logs(directory: Path, ranks: dict[int, tuple[int, int | None]]) -> dict[int, str]:
     logs = {rank: rank_log(directory, rank) for rank in ranks}
-    offsets = {rank: file_size(path) for rank, path in logs.items()}
+    dumps = DumpReader(logs)
     out: dict[int, str] = {}
-    signalled = []
     with FileChanges([str(path) for path in logs.values() if path.exists()]) as changes:
         for rank, (pid, started) in ranks.items():
             why = send_signal(pid, started, STACK_DUMP_SIGNAL)
-            if why is None:
-                signalled.append(rank)
-            else:
+            if why is not None:
                 out[rank] = f"(no stack: {why})"
-        texts = {rank: "" for rank in signalled}
-        read = dict.fromkeys(signalled, 0)  # bytes read past each offset
+        signalled = [rank for rank in ranks if rank not in out]
+        dumps.watch(signalled)
         deadline = time.monotonic() + WAIT_S
-        last_growth = time.monotonic()
         while True:
-            for rank in signalled:
-                more = read_from(logs[rank], offsets[rank] + read[rank])
-                if more:
-                    read[rank] += len(more)
-                    texts[rank] += more.decode("utf-8", "replace")
-                    last_growth = time.monotonic()
+            dumps.read()
             now = time.monotonic()
-            every_header = all(STACK_HEADER in texts[rank] for rank in signalled)
-            if now >= deadline or (every_header and now - last_growth >= QUIET_S):
+            every_header = dumps.holds_stacks(signalled)
+            if now >= deadline or (every_header and dumps.quiet_s() >= QUIET_S):
                 break
             changes.wait(min(deadline - now, QUIET_S) if every_header else deadline - now)
-    for rank in signalled:
-        out[rank] = texts[rank] if STACK_HEADER in texts[rank] else \
-            f"(no stack within {WAIT_S:g} s of {STACK_DUMP_SIGNAL.name}: the rank blocks or ignores it)\n{texts[rank]}"
+    for rank, text in dumps.texts().items():
+        out[rank] = text if STACK_HEADER in text else \
+            f"(no stack within {WAIT_S:g} s of {STACK_DUMP_SIGNAL.name}: the rank blocks or ignores it)\n{text}"
     return out

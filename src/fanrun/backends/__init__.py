@@ -11,7 +11,9 @@ the launcher (fanrun._launch) drives any of them the same way.
   versions.py    the versions every node of a cluster call must share with the caller
   metric_relay.py  the host's end of the ranks' metric stream, a socket server that knows nothing of MLflow
   rank_env.py    every rank's environment, for its place among the run's nodes
-  stack_dump.py  why a rank cannot dump its stack at a timeout, read on its own machine
+  stack_dump.py  signalling a rank on its own machine for its stack, reading the dump back as it
+                 grows, and why a rank cannot dump it
+  rank_evidence.py  a stalled call's evidence, asked of the ranks on their own machine
 """
 
 from __future__ import annotations

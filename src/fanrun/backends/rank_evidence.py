@@ -22,7 +22,7 @@ from pathlib import Path
 from .._file_changes import FileChanges
 from .._rank import contract
 from .._spec.paths import rank_log
-from .stack_dump import STACK_HEADER, file_size, read_from, send_signal, start_time
+from .stack_dump import DumpReader, send_signal, start_time
 
 # How long the ranks get to answer before the silent ones are signalled, how long they get in
 # all, and how long a stacks file may pause before its dump counts as done.
@@ -47,18 +47,15 @@ def ask(directory: Path, ranks: Sequence[int], running: Mapping[int, int]) -> di
     asked at once, the silent ones among them signalled after ANSWER_S, all waited for WAIT_S at
     most; an ended one's last lines alone. A rank without a FIFO (no forensics thread, so no
     handler for the signal either) gives its last lines alone."""
-    stacks = {rank: directory / contract.forensics_stacks_name(rank) for rank in running}
     answers = {rank: directory / contract.forensics_answer_name(rank) for rank in running}
-    offsets = {rank: file_size(path) for rank, path in stacks.items()}
+    dumps = DumpReader({rank: directory / contract.forensics_stacks_name(rank) for rank in running})
     asked_at = time.time()
-    texts: dict[int, str] = {}  # the faulthandler dumps of the signalled ranks, as they grow
     evidence: dict[int, dict] = {}
     with FileChanges([], [str(directory)]) as changes:
         asked = [rank for rank in running if _ask(directory / contract.forensics_ask_name(rank))]
         start = time.monotonic()
         signal_at, deadline = start + ANSWER_S, start + WAIT_S
         signalled = False
-        last_growth = 0.0
         while True:
             for rank in asked:
                 if rank not in evidence and (answer := _fresh_answer(answers[rank], asked_at)) is not None:
@@ -66,19 +63,15 @@ def ask(directory: Path, ranks: Sequence[int], running: Mapping[int, int]) -> di
             silent = [rank for rank in asked if rank not in evidence]
             now = time.monotonic()
             if not signalled and silent and now >= signal_at:
-                texts = {rank: "" for rank in silent if send_signal(
-                    running[rank], start_time(running[rank]), contract.FORENSICS_SIGNAL) is None}
-                signalled, last_growth = True, now
-            for rank in texts:
-                more = read_from(stacks[rank], offsets[rank] + len(texts[rank].encode()))
-                if more:
-                    texts[rank] += more.decode("utf-8", "replace")
-                    last_growth = now
-            dumped = signalled and now - last_growth >= QUIET_S and all(
-                STACK_HEADER in texts[rank] for rank in silent if rank in texts)
+                dumps.watch(rank for rank in silent if send_signal(
+                    running[rank], start_time(running[rank]), contract.FORENSICS_SIGNAL) is None)
+                signalled = True
+            dumps.read()
+            dumped = signalled and dumps.quiet_s() >= QUIET_S and dumps.holds_stacks(silent)
             if now >= deadline or not silent or dumped:
                 break
             changes.wait(min(deadline - now, QUIET_S) if signalled else signal_at - now)
+    texts = dumps.texts()
     return {rank: RankAnswer(stack=_stack(evidence.get(rank), texts.get(rank, "")), answer=evidence.get(rank),
                              last_lines=tuple(last_lines(rank_log(directory, rank))))
             for rank in ranks}

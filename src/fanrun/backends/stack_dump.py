@@ -1,12 +1,14 @@
 """Asking a rank on this machine for its stack: every backend asks on the machine where the rank
 runs. A rank is signalled through a pidfd and known by its start time, so that a pid reused by
 another process is never signalled; why one cannot dump its stack is read from /proc while it
-still runs; what it dumped is read back from its file, never through a link."""
+still runs; what it dumped is read back from its file, never through a link, as it grows."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 # What faulthandler writes above every thread's stack.
@@ -39,6 +41,43 @@ def send_signal(pid: int, started: int | None, signo: int) -> str | None:
     finally:
         os.close(pidfd)
     return None
+
+
+class DumpReader:
+    """What signalled ranks dump into their files (a stacks file, a log), read as it grows: each
+    file is read from where it ended when the reader was made, and a dump counts as done once it
+    holds a stack header and no file has grown for a while (faulthandler writes no end mark)."""
+
+    def __init__(self, paths: Mapping[int, Path]) -> None:
+        self._paths = dict(paths)
+        self._ends = {rank: file_size(path) for rank, path in self._paths.items()}
+        self._dumped: dict[int, bytes] = {}
+        self._last_growth = time.monotonic()
+
+    def watch(self, ranks: Iterable[int]) -> None:
+        """Reads, from now on, the dumps of `ranks`, which were just signalled."""
+        self._dumped.update((rank, b"") for rank in ranks)
+        self._last_growth = time.monotonic()
+
+    def read(self) -> None:
+        for rank in self._dumped:
+            more = read_from(self._paths[rank], self._ends[rank])
+            if more:
+                self._ends[rank] += len(more)
+                self._dumped[rank] += more
+                self._last_growth = time.monotonic()
+
+    def texts(self) -> dict[int, str]:
+        return {rank: dumped.decode("utf-8", "replace") for rank, dumped in self._dumped.items()}
+
+    def holds_stacks(self, ranks: Iterable[int]) -> bool:
+        """Whether the dump of each of `ranks` that is watched holds a stack header."""
+        header = STACK_HEADER.encode()
+        return all(header in self._dumped[rank] for rank in ranks if rank in self._dumped)
+
+    def quiet_s(self) -> float:
+        """Seconds since any watched file last grew."""
+        return time.monotonic() - self._last_growth
 
 
 def file_size(path: Path) -> int:
