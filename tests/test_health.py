@@ -113,6 +113,42 @@ def test_the_callers_own_process_on_its_gpu_is_not_another_job(node, tmp_path):
     assert fanrun.distributed(num_accelerators=1, tracking=False)(where_it_ran).distributed(str(tmp_path))
 
 
+def hold_memory_then_fail(answers: str, held_by_rank_0: str, directory: str) -> int:
+    """Runs in each rank. On the first attempt rank 0 starts holding memory on its GPU, as a rank that
+    used CUDA does (NVML now lists its pid there), and waits; rank 1 then fails. Returns the pid."""
+    import os
+    import threading
+    import time
+
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["FANRUN_RESTART_COUNT"])
+    held = os.path.join(directory, "held")
+    if attempt == 0 and rank == 0:
+        with open(answers + ".new", "w") as out:
+            out.write(held_by_rank_0.format(pid=os.getpid()))
+        os.replace(answers + ".new", answers)
+        open(held, "w").close()
+        threading.Event().wait()  # until the failed attempt is abandoned
+    if attempt == 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(held) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise RuntimeError("rank 1 fails")
+    return os.getpid()
+
+
+def test_a_rank_kept_in_its_process_for_the_next_attempt_is_not_another_job_on_its_gpu(node, tmp_path):
+    # Restarts that keep the processes: the survivor keeps its CUDA context, so NVML lists it on its
+    # GPU when the next attempt's gate reads the GPUs. It is the call's own rank, not another job.
+    answers = node(gpu_answers(0), gpu_answers(1))
+    held_by_rank_0 = node_answers(gpu_answers(0, memory=f"{141 * GIB} {3 * GIB}", process=f"{{pid}} {2 * GIB}"),
+                                  gpu_answers(1))
+    call = fanrun.distributed(num_accelerators=2, max_restarts=1, tracking=False)(hold_memory_then_fail)
+    results = call.distributed(str(answers), held_by_rank_0, str(tmp_path))
+    first_pid = int(answers.read_text().split("process ")[1].split()[0])
+    assert results[0] == first_pid, "rank 0 was not kept in its process"
+    assert results[1] != first_pid
+
+
 def test_exclude_unhealthy_runs_on_the_healthy_gpus_re_ranked(node, tmp_path, capfd):
     node(gpu_answers(0, ecc_uncorrected="1"), gpu_answers(1), gpu_answers(2))
     call = fanrun.distributed(num_accelerators=3, tracking=False, exclude_unhealthy=True)(where_it_ran)

@@ -3,7 +3,8 @@
  * accelerators.cc) and the real call path meet an ECC error, a throttled clock or a missing GPU
  * on a machine without one. Built for the tests only; never shipped.
  *
- * FANRUN_RECORDED_NVML names the answers' file, read at every nvmlInit_v2. One answer a line:
+ * FANRUN_RECORDED_NVML names the answers' file, read at every nvmlInit_v2 and read again when it changes
+ * while NVML stays open, as a real GPU's answers change (a process starts holding memory). One answer a line:
  *
  *   driver 550.54.15
  *   gpu 0                          (starts a GPU's answers; the GPUs are counted in this order)
@@ -19,9 +20,11 @@
  *   process PID USED_BYTES          (one line per process holding memory)
  *
  * An answer left out is NVML_ERROR_NOT_SUPPORTED, as an older GPU or driver gives. '#' starts a comment. */
+#define _POSIX_C_SOURCE 200809L /* fileno, and stat's st_mtim */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 enum { kSuccess = 0, kUninitialized = 1, kInvalidArgument = 2, kNotSupported = 3, kInsufficientSize = 7,
        kNotFound = 6, kMaxGpus = 16, kMaxProcesses = 16, kText = 96 };
@@ -51,6 +54,7 @@ static Gpu gpus[kMaxGpus];
 static unsigned int gpu_count = 0;
 static char driver[kText] = "recorded";
 static int initialised = 0;
+static struct stat loaded; /* the answers' file as it was when last read */
 
 static void CopyText(char* to, const char* from) {
   strncpy(to, from, kText - 1);
@@ -64,6 +68,7 @@ static int Load(void) {
   char line[512];
   Gpu* gpu = NULL;
   if (file == NULL) return kUninitialized; /* as NVML without a driver behind it */
+  if (fstat(fileno(file), &loaded) != 0) memset(&loaded, 0, sizeof(loaded));
   memset(gpus, 0, sizeof(gpus));
   gpu_count = 0;
   while (fgets(line, sizeof(line), file) != NULL) {
@@ -129,8 +134,22 @@ int nvmlDeviceGetCount_v2(unsigned int* count) {
   *count = gpu_count;
   return kSuccess;
 }
+/* Reads the answers again where their file was written since (a rank that starts holding memory),
+ * keeping the GPUs' count, which NVML fixes at its start. */
+static void Refresh(void) {
+  struct stat now;
+  const char* path = getenv("FANRUN_RECORDED_NVML");
+  unsigned int count = gpu_count;
+  if (path == NULL || stat(path, &now) != 0) return;
+  if (now.st_mtim.tv_sec == loaded.st_mtim.tv_sec && now.st_mtim.tv_nsec == loaded.st_mtim.tv_nsec &&
+      now.st_size == loaded.st_size && now.st_ino == loaded.st_ino)
+    return;
+  if (Load() == kSuccess && gpu_count > count) gpu_count = count;
+}
+
 int nvmlDeviceGetHandleByIndex_v2(unsigned int index, void** device) {
   if (!initialised) return kUninitialized;
+  Refresh();
   if (index >= gpu_count) return kInvalidArgument;
   *device = &gpus[index];
   return kSuccess;

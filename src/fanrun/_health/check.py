@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .._errors import GpuHealthError
 from .._spec.spec import CallSpec
@@ -23,7 +23,7 @@ class Gate:
     """The verdict on one call's GPUs: `problems` by NVML index (empty: healthy), `figures` of the
     deep check by NVML index, and `notes` (what was not checked, and why)."""
 
-    def __init__(self, spec: CallSpec) -> None:
+    def __init__(self, spec: CallSpec, own_ranks: Iterable[int] = ()) -> None:
         self.spec = spec
         self.gpus = spec.gpus()
         self.level = spec.options.health if self.gpus else "off"
@@ -39,8 +39,9 @@ class Gate:
                                  f"checked and no rank was started; pass health='off' (fanrun run --health off) to "
                                  f"run without the check")
         # This caller's own processes may hold memory on its GPUs: itself (a notebook that used
-        # CUDA) and the ranks it keeps alive between calls (keep_alive).
-        own = {os.getpid(), *spares.kept_pids()}
+        # CUDA), the ranks it keeps alive between calls (keep_alive), and `own_ranks`: the ranks a
+        # failed attempt kept in their processes for this one, with their CUDA context.
+        own = {os.getpid(), *spares.kept_pids(), *own_ranks}
         for gpu, reading in zip(self.gpus, readings):
             self.readings[gpu.nvml_index] = reading
             self.problems[gpu.nvml_index] = gate.problems(reading, gpu.uuid, own)

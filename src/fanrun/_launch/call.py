@@ -7,7 +7,7 @@ ledger (goodput.py) follows the attempts and ends in the call's MLflow run, its 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from .. import _accelerators
 from .._errors import GpuHealthError
@@ -112,7 +112,7 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
     gpus = spec.gpus()
     with gpu_locks.hold(gpus, holder=repr(spec.name), on_busy=_say):
         # Before any rank starts: an unhealthy GPU stops the call, or is left out (exclude_unhealthy).
-        gate = _health_gate(spec)
+        gate = _health_gate(spec, survivors.pids() if survivors is not None else ())
         spec = gate.checked_spec()
         ledger.locks_held()
         # The MLflow run starts once the GPUs are free, and ends with the call's outcome.
@@ -166,8 +166,8 @@ def check_health(spec: CallSpec) -> health.Gate:
         return _health_gate(spec)
 
 
-def _health_gate(spec: CallSpec) -> health.Gate:
-    gate = health.Gate(spec)
+def _health_gate(spec: CallSpec, own_ranks: Iterable[int] = ()) -> health.Gate:
+    gate = health.Gate(spec, own_ranks)
     # health="deep": a short call of work on each GPU, on the GPUs whose locks this call holds.
     gate.run_deep(_run_on_held_gpus)
     return gate

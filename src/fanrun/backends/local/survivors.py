@@ -19,6 +19,10 @@ class Survivors:
         """The ranks that survived the last failure."""
         return [rank for rank, spare in enumerate(self._ranks) if spare is not None]
 
+    def pids(self) -> list[int]:
+        """The processes of the ranks that survived the last failure and still wait."""
+        return [spare.pid for spare in self._ranks if spare is not None and spare.waiting()]
+
     def take(self, world_size: int) -> list:
         """Each rank's survivor still waiting, or None; all None for a call of another size."""
         ranks, self._ranks = self._ranks, []
