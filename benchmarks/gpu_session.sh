@@ -4,7 +4,7 @@
 # given as wheels in .whl/, and MLflow with what it needs in .whl/mlflow/ (for tracking-cost);
 # programs in .whl/bin/ (a static fio, for checkpoint) go first on PATH.
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
-#   [checkpoint-tests] [checkpoint] [results] [stall] [health] [restart] [warm-loop] [tracking-cost]
+#   [checkpoint-tests] [checkpoint] [results] [stall] [health] [restart] [restart-tests] [warm-loop] [tracking-cost]
 #   [data] [table]
 # On eight GPUs:
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
@@ -84,6 +84,8 @@ for part in $parts; do
     stall) FANRUN_TRACKING=0 step stall 560 python3 benchmarks/stall.py --device cuda --ranks ${STALL_RANKS:-1} ${STALL_ARGS:-} ;;
     # From a rank's death to the next attempt's first step: fanrun keep and fresh, torchrun --max-restarts.
     restart) FANRUN_TRACKING=0 step restart 300 python3 benchmarks/restart.py --ranks ${RESTART_RANKS:-1} --repeat ${REPEAT:-3} ;;
+    # A rank killed at step k over NCCL, and a survivor whose CUDA context failed (replaced, not kept).
+    restart-tests) pytest_step restart_tests 200 tests/test_restart_in_place.py -k "gpu or cuda" -rs ;;
     # Back-to-back calls: cold, warm without and after a warmup, and kept.
     warm-loop) step warm_loop 420 python3 benchmarks/warm_loop.py --ranks ${LOOP_RANKS:-1} ${LOOP_ARGS:-} ;;
     # A call tracked against untracked, for a function that never imports mlflow and for one that does.
