@@ -120,6 +120,36 @@ def test_a_rank_that_starts_every_collective_last_is_flagged_under_ddp():
     assert watch.update_collectives({rank: entries(range(13, 15), 1, rank, 0.01) for rank in range(3)}) == []
 
 
+def ddp_steps(first_step: int, steps: int, rank: int) -> list[dict]:
+    """Two gradient all-reduces a step, each step 1 s apart: rank 1 starts the first 0.1 s and the
+    second 0.2 s after the others, who then wait 0.2 s for it at their step's end."""
+    out = []
+    for step in range(first_step, first_step + steps):
+        for bucket in range(2):
+            seq = 2 * step + bucket + 1
+            late = 0.1 * (bucket + 1) if rank == 1 else 0.0
+            out.append({"seq": seq, "op": "gloo:all_reduce", "state": "scheduled", "group": "0",
+                        "created_ns": int((step + 0.05 * bucket + late) * 1e9)})
+    return out
+
+
+def test_under_ddp_each_ranks_wait_for_the_last_one_is_its_share_in_collectives():
+    watch = StragglerWatch()
+    watch.update([record(rank, 2, 0.3) for rank in range(3)], now=0.0)
+    watch.update_collectives({rank: ddp_steps(0, 2, rank) for rank in range(3)})  # the steps so far: a baseline
+    assert watch.metrics(0)["comm_wait_fraction"] == 0.0
+    flagged = []
+    for read in range(1, 7):
+        flagged = watch.update([record(rank, 2 + 3 * read, 0.3) for rank in range(3)], now=float(read))
+        watch.update_collectives({rank: ddp_steps(2 + 3 * (read - 1), 3, rank) for rank in range(3)})
+    waits = watch.collective_waits()
+    assert waits[0] == pytest.approx(0.2) and waits[2] == pytest.approx(0.2) and waits[1] == pytest.approx(0.0)
+    assert watch.row_words(0) == "step 0.30 s · data 0% · comm 67%"
+    assert watch.row_words(1) == "step 0.30 s · data 0% · comm 0%"
+    # Its own time is its whole step, the others' a third of theirs: rank 1 is flagged by its steps too.
+    assert flagged == [Straggler(1, "compute", pytest.approx(3.0), 5)]
+
+
 def test_a_collective_that_the_late_rank_has_not_started_waits_for_the_next_read():
     watch = StragglerWatch()
     watch.update([record(rank, 2, 0.3) for rank in range(2)], now=0.0)
@@ -232,10 +262,12 @@ def test_two_real_ranks_one_three_times_slower_per_step(tmp_path):
 
 @pytest.mark.slow
 def test_two_real_ranks_under_ddp_the_slow_one_is_told_by_its_flight_recorder(tmp_path):
-    """Under DDP both steps last as long and no Python collective runs: the records blame no one,
-    the flight recorder, in which rank 1 starts each gradient all-reduce last, names it."""
+    """Under DDP both steps last as long and no Python collective runs: the records alone blame no
+    one; the flight recorder, in which rank 1 starts each gradient all-reduce last, names it, and
+    tells how long rank 0 waits for it."""
     watch, by_records, by_both = run_two_ranks(tmp_path, "ddp")
-    assert watch.metrics(1)["comm_wait_fraction"] == watch.metrics(0)["comm_wait_fraction"] == 0.0
+    # Rank 0 waits for rank 1 in every gradient all-reduce: 0.2 s of its 0.3 s step.
+    assert watch.metrics(0)["comm_wait_fraction"] > 0.4 > watch.metrics(1)["comm_wait_fraction"]
     assert by_records == [[]] * 12
     (slow,) = by_both[-1]
     assert (slow.rank, slow.reason, slow.steps >= 5) == (1, "compute", True)

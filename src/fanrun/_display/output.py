@@ -75,6 +75,7 @@ class OutputMux:
         self.stderr_tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(world_size)]
         self._capturing: dict[int, list[str]] | None = None
         self._watched: tuple = ()
+        self._stragglers_said: set[tuple[int, str]] = set()  # (rank, "straggler: compute"), without a panel
 
     def capture_stderr(self) -> dict[int, list[str]]:
         """From now on, keep every stderr line per rank instead of showing it (the stacks dumped
@@ -122,10 +123,19 @@ class OutputMux:
 
     def watched(self, steps: list[str], watch_flags: list[list[str]], stall: str) -> None:
         """The stall watch's latest (_launch/stall_watch.py): each rank's step column and flags,
-        and the verdict of a stall that lasts; the panel shows them."""
+        and the verdict of a stall that lasts; the panel shows them. Elsewhere a straggler is said
+        once on stderr, when it is first flagged for its reason."""
         if self.panel is not None and (steps, watch_flags, stall) != self._watched:
             self._watched = (steps, watch_flags, stall)
             self.panel.watched(steps, watch_flags, stall)
+        if self.panel is None:
+            for rank, flags in enumerate(watch_flags):
+                for flag in flags:
+                    reason = flag.partition(",")[0]
+                    if flag.startswith("straggler:") and (rank, reason) not in self._stragglers_said:
+                        self._stragglers_said.add((rank, reason))
+                        flush_streams()
+                        print(f"fanrun: rank {rank} is a {flag}", file=sys.stderr, flush=True)
 
     def stall(self, report, hint: str) -> None:
         """A stall's report (_launch/stall_report.py): a panel shows its verdict (watched());

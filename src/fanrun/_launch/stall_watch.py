@@ -17,6 +17,8 @@ from collections.abc import Callable
 from .. import _core
 from .._rank import contract
 from .._spec.paths import RunPaths
+from .._spec.progress_record import COLLECTIVE_WAITS_NAME, encode_collective_waits
+from ..backends import rank_evidence
 from . import forensics
 from .stall_report import RankProgress, StallReport
 from .straggler import StragglerWatch
@@ -60,6 +62,11 @@ class StallWatch:
         self._read_at = -1.0
         self.progress: list[RankProgress | None] = [None] * self._world_size
         self.stragglers = StragglerWatch()
+        # The ranks' flight recorders, asked every COLLECTIVES_EVERY_S once they step: each rank's
+        # last answer, and when it was written.
+        self._collectives: dict[int, list[dict]] = {}
+        self._collectives_at: dict[int, float] = {}
+        self._collectives_asked_at = -1.0
         self.flagged: list = []
         self.reports: list[StallReport] = []
 
@@ -87,6 +94,7 @@ class StallWatch:
             return
         self._read_at = time.monotonic()
         self._read()
+        self._follow_collectives()
         running = [rank for rank in range(self._world_size) if rank not in self._ended]
         if not running:
             return
@@ -123,6 +131,26 @@ class StallWatch:
             for rank in self.reports[-1].culprits:
                 flags[rank].append("stalled")
         return steps, flags, stall
+
+    def _follow_collectives(self) -> None:
+        """Takes the ranks' newest answers with their flight recorders' collectives to the straggler
+        watch, which learns from them who starts each collective last and how long the others wait
+        (DDP's all-reduces, which no record shows), and asks again, once the ranks step."""
+        if self._world_size < 2:
+            return
+        fresh = False
+        for rank in range(self._world_size):
+            answer = rank_evidence.collectives(self._paths.directory / contract.forensics_collectives_name(rank))
+            if answer is not None and answer[0] > self._collectives_at.get(rank, 0.0):
+                self._collectives_at[rank], self._collectives[rank] = answer
+                fresh = True
+        if fresh:
+            self.flagged = self.stragglers.update_collectives(self._collectives)
+            self._paths.write_file(COLLECTIVE_WAITS_NAME, encode_collective_waits(self.stragglers.collective_waits()))
+        stepping = any(progress is not None and progress.steps > 0 for progress in self.progress)
+        if stepping and time.monotonic() - self._collectives_asked_at >= rank_evidence.COLLECTIVES_EVERY_S:
+            self._collectives_asked_at = time.monotonic()
+            self._ranks.ask_for_collectives(self._ended)
 
     def _read(self) -> None:
         for rank in range(self._world_size):

@@ -77,6 +77,20 @@ def forensics_answer_name(rank: int) -> str:
     return f"rank_{rank}.evidence.json"
 
 
+def forensics_collectives_name(rank: int) -> str:
+    """The collectives the rank's flight recorder holds (JSON: time, collectives), written when a
+    FORENSICS_ASK_COLLECTIVES line is read on its FIFO: the straggler watch's view of collectives
+    that no Python call shows (DDP's gradient all-reduces)."""
+    return f"rank_{rank}.collectives.json"
+
+
+# The lines a rank's forensics thread reads on its FIFO: one asks for its evidence, one for its
+# flight recorder's collectives alone, one ends the thread.
+FORENSICS_ASK_EVIDENCE = b"ask\n"
+FORENSICS_ASK_COLLECTIVES = b"collectives\n"
+FORENSICS_ASK_STOP = b"stop\n"
+
+
 # A rank's progress record, little-endian: magic, state, pid, optimizer steps, DataLoader
 # batches, collectives entered through torch.distributed's Python functions, the time (time.time())
 # the state began, the last sign of progress, the last step's end, the last step's length and

@@ -302,6 +302,7 @@ class _Forensics:
 
     def __init__(self, run_dir: str, rank: int) -> None:
         self._answer = os.path.join(run_dir, _contract["forensics_answer_name"](rank))
+        self._collectives = os.path.join(run_dir, _contract["forensics_collectives_name"](rank))
         stacks = os.path.join(run_dir, _contract["forensics_stacks_name"](rank))
         self._stacks = open(os.open(stacks, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
                                     0o600), "wb", buffering=0)
@@ -320,18 +321,26 @@ class _Forensics:
         threading.Thread(target=forensics._answer_asks, name="fanrun-forensics", daemon=True).start()
 
     def stop(self) -> None:
-        os.write(self._ask_fd, b"stop\n")  # the thread closes its FIFO when it reads this
+        os.write(self._ask_fd, _contract["FORENSICS_ASK_STOP"])  # the thread closes its FIFO when it reads this
 
     def _answer_asks(self) -> None:
         with os.fdopen(self._ask_fd, "rb", buffering=0) as asks, self._stacks:
             while True:
                 line = asks.readline()
-                if not line or line.startswith(b"stop"):
+                if not line or line == _contract["FORENSICS_ASK_STOP"]:
                     return
                 try:
-                    self._write_evidence()
+                    if line == _contract["FORENSICS_ASK_COLLECTIVES"]:
+                        self._write_collectives()
+                    else:
+                        self._write_evidence()
                 except Exception as error:  # evidence is best effort: the stacks file still has the stacks
                     self._write({"error": f"{type(error).__name__}: {error}"})
+
+    def _write_collectives(self) -> None:
+        """Every collective the flight recorder holds, for the straggler watch: who starts each one
+        last. No stack: asked every few seconds, it costs the rank one dump of the recorder."""
+        _write_json(self._collectives, {"time": time.time(), "collectives": _flight_recorder(None)})
 
     def _write_evidence(self) -> None:
         main = sys._current_frames().get(self._main)
@@ -344,11 +353,16 @@ class _Forensics:
                      "stacks": _every_stack(sys._current_frames(), self._main), "collectives": collectives})
 
     def _write(self, evidence: dict) -> None:
-        tmp = f"{self._answer}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump(evidence, out)
-        os.replace(tmp, self._answer)
+        _write_json(self._answer, evidence)
+
+
+def _write_json(path: str, value: dict) -> None:
+    """Whole or not at all: the caller reads it at any time."""
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(value, out)
+    os.replace(tmp, path)
 
 
 def _every_stack(frames: dict, main: int | None) -> str:
@@ -373,9 +387,9 @@ def _every_stack(frames: dict, main: int | None) -> str:
     return "\n\n".join(out) + "\n"
 
 
-def _flight_recorder() -> list[dict] | None:
-    """The last collectives torch's flight recorder holds (seq, op, state, when created); None
-    where torch is not imported or keeps no record (TORCH_FR_BUFFER_SIZE unset or 0)."""
+def _flight_recorder(last: int | None = EVIDENCE_COLLECTIVES) -> list[dict] | None:
+    """The `last` collectives torch's flight recorder holds (seq, op, state, when created; None:
+    all it holds); None where torch is not imported or keeps no record (TORCH_FR_BUFFER_SIZE unset or 0)."""
     c10d = sys.modules.get("torch._C._distributed_c10d")
     dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
     if dump is None:
@@ -386,4 +400,4 @@ def _flight_recorder() -> list[dict] | None:
         return None
     return [{"seq": entry.get("collective_seq_id"), "op": entry.get("profiling_name"), "state": entry.get("state"),
              "created_ns": entry.get("time_created_ns"), "group": (entry.get("process_group") or [None])[0]}
-            for entry in entries[-EVIDENCE_COLLECTIVES:]]
+            for entry in entries[-last if last is not None else 0:]]

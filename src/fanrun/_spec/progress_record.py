@@ -1,10 +1,13 @@
 """A rank's progress record (_rank/progress.py writes it, in the contract's PROGRESS_FORMAT) as the
 caller's side reads it: the stall watch (_launch/stall_watch.py), tracking's step times
-(_tracking/rank_steps.py) and the goodput ledger (_launch/goodput.py) read it through this one reader."""
+(_tracking/rank_steps.py) and the goodput ledger (_launch/goodput.py) read it through this one reader.
+Beside the records, the stall watch keeps what the ranks' flight recorders tell of their waits in
+collectives (COLLECTIVE_WAITS_NAME), which tracking's step times take too."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
 from pathlib import Path
 
@@ -12,6 +15,32 @@ from .._rank import contract
 
 _FORMAT = struct.Struct(contract.PROGRESS_FORMAT)
 STATES = {contract.STATE_COMPUTE: "compute", contract.STATE_DATA: "data", contract.STATE_COLLECTIVE: "collective"}
+# In the run's directory: {rank: seconds}, each rank's wait per step for the last rank to start its
+# collectives, from the flight recorders (straggler.py), where no Python collective shows it (DDP).
+COLLECTIVE_WAITS_NAME = "collective-waits.json"
+
+
+def comm_per_step_s(progress: RankProgress, collective_wait_s: float) -> float:
+    """The rank's time in collectives in its last step: its Python collectives' or, where more, its
+    wait for the last rank as the flight recorders tell it; never more than its step holds besides data."""
+    waited = max(progress.step_comm_s, collective_wait_s)
+    return min(waited, max(progress.step_s - progress.step_data_s, 0.0))
+
+
+def encode_collective_waits(waits: dict[int, float]) -> bytes:
+    return json.dumps({str(rank): seconds for rank, seconds in waits.items()}).encode()
+
+
+def read_collective_waits(run_dir: Path) -> dict[int, float]:
+    """{} where the stall watch has written none (one rank, no flight recorder, not watched)."""
+    try:
+        waits = json.loads((run_dir / COLLECTIVE_WAITS_NAME).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(waits, dict):
+        return {}
+    return {int(rank): float(seconds) for rank, seconds in waits.items()
+            if str(rank).isdigit() and isinstance(seconds, (int, float))}
 
 
 @dataclasses.dataclass(frozen=True)

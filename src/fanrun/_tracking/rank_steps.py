@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .._rank.contract import progress_name
-from .._spec.progress_record import RankProgress
+from .._spec.progress_record import RankProgress, comm_per_step_s, read_collective_waits
 
 
 def metric_names(rank: int) -> tuple[str, str, str]:
@@ -37,6 +37,7 @@ class RankSteps:
         if where is None:
             return {}
         run_dir, world_size = where
+        waits = read_collective_waits(run_dir)
         metrics: dict[str, float] = {}
         for rank in range(world_size):
             progress = RankProgress.read(run_dir / progress_name(rank), rank)
@@ -45,7 +46,8 @@ class RankSteps:
             step, data, comm = metric_names(rank)
             metrics[step] = progress.step_s
             metrics[data] = _fraction(progress.step_data_s, progress.step_s)
-            metrics[comm] = _fraction(progress.step_comm_s, progress.step_s)
+            # Under DDP no Python collective shows the wait: the flight recorders do (straggler.py).
+            metrics[comm] = _fraction(comm_per_step_s(progress, waits.get(rank, 0.0)), progress.step_s)
         return metrics
 
 

@@ -58,6 +58,11 @@ class Ranks(Protocol):
         each rank's answer (rank_evidence.py), those of ended ranks with their last lines alone,
         and for one that could not be asked (its node gave nothing in time), why."""
 
+    def ask_for_collectives(self, ended: Collection[int]) -> None:
+        """Asks every rank not in `ended` for its flight recorder's collectives, without waiting:
+        their answers come into the call's run directory (rank_evidence.collectives), written
+        there by the ranks, or on a cluster by each node's agent, which asks its own ranks."""
+
     def close(self) -> None:
         """Releases what the ranks no longer need (a rendezvous); called once, at the end."""
 

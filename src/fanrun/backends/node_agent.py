@@ -22,7 +22,8 @@ from .. import _core
 from .._spec.paths import RunPaths
 from .local.rendezvous import Rendezvous
 from .._rank import tracking as rank_tracking
-from .._rank.contract import ENV_NODE_ID, ENV_PROGRESS, error_name, log_name, progress_name, result_name
+from .._rank.contract import (ENV_NODE_ID, ENV_PROGRESS, error_name, forensics_collectives_name, log_name,
+                              progress_name, result_name)
 from .._rank.contract import STACK_DUMP_SIGNAL
 from .metric_relay import MetricRelay
 from . import rank_evidence, stack_dump
@@ -83,6 +84,8 @@ class NodeAgent:
         self._progress_lock = threading.Lock()  # the pump's reads and a gathering's, posted in order
         self._progress_sent: dict[int, bytes] = {}
         self._progress_read_at = 0.0
+        self._collectives_sent: dict[int, bytes] = {}
+        self._collectives_asked_at = 0.0
 
     def check_health(self, level: str, gpus: int) -> list[dict]:
         """The cheap health gate on the `gpus` GPUs this node gives its ranks (none: a CPU call),
@@ -243,16 +246,23 @@ class NodeAgent:
     def _send_progress(self) -> None:
         """Posts the progress records of this node's ranks that changed since they were last sent,
         as their bytes: the caller keeps them in its own run directory, where its stall watch,
-        tracking's step times and the goodput ledger read a local call's."""
+        tracking's step times and the goodput ledger read a local call's. So too their answers
+        with their flight recorders' collectives, which this agent asks of them every
+        COLLECTIVES_EVERY_S, for the caller's straggler watch."""
         with self._progress_lock:
             self._progress_read_at = time.monotonic()
-            changed = {}
-            for rank in self._ranks:
-                data = _read(self._paths.directory / progress_name(rank), None)
-                if data and data != self._progress_sent.get(rank):
-                    changed[rank] = self._progress_sent[rank] = data
+            changed = _changed(self._paths.directory, self._ranks, progress_name, self._progress_sent)
             if changed:
                 self._post(("progress", changed))
+            collectives = _changed(self._paths.directory, self._ranks, forensics_collectives_name,
+                                   self._collectives_sent)
+            if collectives:
+                self._post(("collectives", collectives))
+            if self._progress_read_at - self._collectives_asked_at >= rank_evidence.COLLECTIVES_EVERY_S:
+                self._collectives_asked_at = self._progress_read_at
+                supervisor, first = self._supervisor, self._first_rank
+                rank_evidence.ask_for_collectives(self._paths.directory, [
+                    rank for rank in self._ranks if supervisor.exit_status(rank - first) is None])
 
     def _forward_metrics(self, records: list) -> None:
         self._post(("metrics", records))
@@ -261,6 +271,16 @@ class NodeAgent:
         with self._changed:
             self._outbox.append(item)
             self._changed.notify_all()
+
+
+def _changed(directory, ranks, name, sent: dict[int, bytes]) -> dict[int, bytes]:
+    """The ranks' files `name(rank)` whose bytes changed since they were last sent, noted as sent."""
+    changed = {}
+    for rank in ranks:
+        data = _read(directory / name(rank), None)
+        if data and data != sent.get(rank):
+            changed[rank] = sent[rank] = data
+    return changed
 
 
 def _read(path, limit: int | None) -> bytes | None:

@@ -18,7 +18,7 @@ import time
 
 from .. import _core
 from .._errors import GpuHealthError, NodeLostError
-from .._rank.contract import progress_name
+from .._rank.contract import forensics_collectives_name, progress_name
 from .._spec.paths import RunPaths
 from . import rank_evidence
 
@@ -141,6 +141,10 @@ class NodeRanks:
                                                             f"{EVIDENCE_WAIT_S:g} s"))
         return answers
 
+    def ask_for_collectives(self, ended) -> None:
+        """Each node's agent asks its own ranks, every COLLECTIVES_EVERY_S while the call is
+        watched, and sends their answers with their progress records."""
+
     def exit_status(self, rank: int) -> tuple[int, int] | None:
         return self._exits.get(rank)
 
@@ -172,6 +176,9 @@ class NodeRanks:
                 elif entry[0] == "progress":
                     for rank, data in entry[1].items():
                         self._paths.rewrite_file(progress_name(rank), data)
+                elif entry[0] == "collectives":
+                    for rank, data in entry[1].items():
+                        self._paths.write_file(forensics_collectives_name(rank), data)
                 elif entry[0] == "evidence":
                     self._evidence[node] = entry[1]
                 else:

@@ -16,7 +16,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from .._file_changes import FileChanges
@@ -30,6 +30,9 @@ ANSWER_S = 1.0
 WAIT_S = 3.0
 QUIET_S = 0.2
 LAST_LINES = 5
+# How often a watched call's ranks are asked for their flight recorder's collectives (the
+# straggler watch's view of DDP's all-reduces): each ask costs a rank one dump of its recorder.
+COLLECTIVES_EVERY_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +80,37 @@ def ask(directory: Path, ranks: Sequence[int], running: Mapping[int, int]) -> di
             for rank in ranks}
 
 
+def ask_for_collectives(directory: Path, ranks: Iterable[int]) -> None:
+    """Asks each of `ranks` for its flight recorder's collectives, without waiting: each answers
+    into its forensics_collectives_name file in `directory`, which collectives() reads."""
+    for rank in ranks:
+        _ask(directory / contract.forensics_ask_name(rank), contract.FORENSICS_ASK_COLLECTIVES)
+
+
+def collectives(path: Path) -> tuple[float, list[dict]] | None:
+    """A rank's last answer with its collectives: (when it was written, the collectives); None
+    before its first, or where its flight recorder keeps none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        try:
+            answer = json.loads(file.read())
+        except ValueError:
+            return None
+    if not isinstance(answer, dict) or not isinstance(answer.get("collectives"), list):
+        return None
+    return float(answer.get("time", 0.0)), [entry for entry in answer["collectives"] if isinstance(entry, dict)]
+
+
 def _stack(answer: dict | None, dumped: str) -> str:
     """A rank's stacks: its forensics thread's, else what its faulthandler dumped."""
     given = answer.get("stacks") if answer is not None else None
     return given if isinstance(given, str) else dumped
 
 
-def _ask(fifo: Path) -> bool:
+def _ask(fifo: Path, line: bytes = contract.FORENSICS_ASK_EVIDENCE) -> bool:
     """Writes one line to the rank's FIFO; False where it has none (a native program's rank)."""
     try:
         fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -93,7 +120,7 @@ def _ask(fifo: Path) -> bool:
         info = os.fstat(fd)
         if not stat.S_ISFIFO(info.st_mode) or info.st_uid != os.geteuid():
             return False
-        os.write(fd, b"ask\n")
+        os.write(fd, line)
         return True
     except OSError:
         return False

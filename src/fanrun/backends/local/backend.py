@@ -163,6 +163,10 @@ class LocalRanks:
         ranks = range(self.world_size)
         return rank_evidence.ask(self._directory, ranks, {rank: self.pid(rank) for rank in ranks if rank not in ended})
 
+    def ask_for_collectives(self, ended) -> None:
+        running = [rank for rank in range(self.world_size) if rank not in ended]
+        rank_evidence.ask_for_collectives(self._directory, running)
+
     def close(self) -> None:
         self._rendezvous.close()
         if self._survivors is not None:
