@@ -7,14 +7,16 @@ what torch alone does with the same hang, from one run on the same machine.
     the last rank sleeps in its Dataset's __getitem__ (it is in DataLoader.__next__), and the last
     rank skips a collective and waits in a function of its own. With one rank: the slow Dataset,
     and on CUDA a hang between two streams (a side stream spins in torch.cuda._sleep, the main
-    stream waits on its event, then .item()).
+    stream waits on its event, the step's all_reduce is queued behind it, then .item()).
 (b) The cost of watching: the same DDP loop (gloo on CPUs, NCCL on CUDA) with on_stall=None (not
     watched: no progress record, no flight recorder) and with the default; rank 0's steps/s after
     a warm-up, alternating, median of --repeat.
 (c) torch alone on the same hangs: fanrun with on_stall=None, so that only torch acts, and a
     process-group timeout of --torch-timeout seconds given to init_process_group: the time until
     torch's own error reaches the caller (--torch-timeout 0: none given, so torch waits its default,
-    30 min for gloo). Printed beside it: the timeouts torch waits by default.
+    30 min for gloo, 10 min for NCCL's watchdog), what torch said, and whether its flight recorder
+    left a dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE) at its default settings. Printed beside it: the
+    timeouts torch waits by default. With one rank, only the CUDA streams' hang has a collective waiting.
 
     python benchmarks/stall.py [--ranks 2] [--device cpu|cuda] [--stall-timeout S] [--torch-timeout 20]
                                [--repeat 5] [--steps 300] [--parts latency cost torch] [--smoke]
@@ -32,7 +34,7 @@ from pathlib import Path
 # Goals: the verdict within this long after the stall timeout (the evidence's gathering), and
 # watching costs at most this share of the steps/s.
 LATENCY_GOAL_S = 5.0
-COST_GOAL = 0.02
+COST_GOAL = 0.01
 AT_STEP = 5  # the step at which the last rank hangs, once steps have been timed
 PLANT_MARK = "planted"
 
@@ -86,6 +88,7 @@ def planted(case: str, marks: str, hang_s: float, device: str, pg_timeout_s: flo
         elif step == AT_STEP and hangs == "streams":
             mark(marks)
             streams_wait(hang_s, where)
+            dist.all_reduce(mean)  # queued behind the wait: torch's NCCL watchdog times this one
         else:
             dist.all_reduce(mean)
         loss.backward()
@@ -126,8 +129,8 @@ def wait_in_own_function(hang_s: float) -> None:
 
 
 def streams_wait(hang_s: float, where) -> None:
-    """A side stream spins for `hang_s` and records an event; the main stream waits on it, and the
-    host waits for the main stream (.item())."""
+    """A side stream spins for `hang_s` and records an event, and the main stream waits on it: what
+    the step queues after this waits too, and the host with it at the step's .item()."""
     import torch
 
     side, done = torch.cuda.Stream(where), torch.cuda.Event()
@@ -141,7 +144,6 @@ def streams_wait(hang_s: float, where) -> None:
         torch.cuda._sleep(int(hang_s * 1000 * cycles_per_ms))
         done.record(side)
     torch.cuda.current_stream(where).wait_event(done)
-    torch.ones(1, device=where).add_(1).item()
 
 
 def cases_for(ranks: int, device: str) -> list[tuple[str, str]]:
@@ -194,13 +196,26 @@ def torch_alone(case: str, args, marks: Path) -> dict:
     hang_s = (args.torch_timeout or torch_default_timeout(args.device)) + 120
     function = distributed(**decorator_arguments(args.ranks, args.device), on_stall=None,
                            timeout=hang_s + 60)(planted)
+    dumps_before = set(flight_recorder_dumps())
     try:
         function.distributed(case, str(marks), hang_s, args.device, args.torch_timeout or None, AT_STEP + 10)
     except Exception as error:
         began = planted_at(marks)
-        first = (str(error).splitlines() or [""])[0]
-        return {"latency": time.time() - began if began else None, "error": f"{type(error).__name__}: {first[:160]}"}
-    return {"latency": None, "error": "the call ended well: torch raised nothing"}
+        lines = str(error).splitlines() or [""]
+        # torch's own words where its watchdog spoke, else the error's first line
+        said = next((line.strip() for line in lines if "Watchdog caught" in line or "Timed out" in line), lines[0])
+        dumps = sorted(set(flight_recorder_dumps()) - dumps_before)
+        return {"latency": time.time() - began if began else None, "error": f"{type(error).__name__}: {said[:240]}",
+                "dump": ", ".join(f"{path} ({os.path.getsize(path)} bytes)" for path in dumps) or "none"}
+    return {"latency": None, "error": "the call ended well: torch raised nothing", "dump": "none"}
+
+
+def flight_recorder_dumps() -> list[str]:
+    """The files torch's flight recorder dumps into on a watchdog's timeout, by its default prefix."""
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or os.environ.get("TORCH_FR_DUMP_TEMP_FILE") \
+        or "/tmp/nccl_trace_rank_"
+    folder = os.path.dirname(prefix) or "."
+    return [os.path.join(folder, name) for name in os.listdir(folder) if name.startswith(os.path.basename(prefix))]
 
 
 def steps_per_second(steps: int, warmup: int, device: str) -> float:
@@ -343,16 +358,16 @@ def main() -> None:
               f"seconds from the planted hang to torch's error in the caller")
         for line in torch_defaults():
             print(f"torch's {line}")
-        print("| hang | s to torch's error | error |")
-        print("| --- | --- | --- |")
+        print("| hang | s to torch's error | error | flight recorder's dump |")
+        print("| --- | --- | --- | --- |")
         for case, label in cases_for(args.ranks, args.device):
-            if args.ranks == 1:
-                print(f"| {label} | never | no collective waits, so no timeout of torch's applies |")
+            if args.ranks == 1 and case != "streams":
+                print(f"| {label} | never | no collective waits, so no timeout of torch's applies | - |")
                 continue
             with tempfile.TemporaryDirectory(prefix="fanrun-stall-bench-") as marks:
                 found = torch_alone(case, args, Path(marks))
             shown = f"{found['latency']:.1f}" if found["latency"] is not None else "-"
-            print(f"| {label} | {shown} | {found['error']} |", flush=True)
+            print(f"| {label} | {shown} | {found['error']} | {found['dump']} |", flush=True)
     print("\nGoals:")
     for what, met, figure in goals:
         print(f"  {what}: {'holds' if met else 'NOT MET'} ({figure})")

@@ -1,9 +1,12 @@
 """A stall planted in a call over two nodes of two CPU ranks each, for the Slurm and Ray tests:
 rank 2, on the second node, waits in its DataLoader for its fourth sample while its peers wait in
-all_reduce for it. The watch on the caller must name it from the evidence of both nodes."""
+all_reduce for it. The watch on the caller must name it from the evidence of both nodes. And a
+straggler under DDP: the rank on the second node computes three times as long per step, which
+the caller learns from the flight recorders that each node's agent sends it."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -89,3 +92,29 @@ def check_report(reports: Reports, marks: Path) -> None:
         assert rank.running and rank.answered and not rank.unasked, report.to_text()
         assert rank.progress is not None and rank.progress.batches >= AT_SAMPLE, report.to_text()
     assert "__getitem__" in report.ranks[PLANTED_RANK].stack, report.ranks[PLANTED_RANK].stack
+
+
+def ddp_with_a_slow_rank(steps: int, step_s: float) -> int:
+    """DDP steps of a small model; the last rank computes three times as long per step."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        time.sleep(step_s * (3 if rank == last else 1))
+        model(torch.ones(4)).sum().backward()  # the others wait here for the last rank's gradients
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.destroy_process_group()
+    return rank
+
+
+def check_straggler(stderr: str, rank: int) -> None:
+    """The call said once that `rank`, and no other, straggles for its compute, about three times."""
+    said = [line for line in stderr.splitlines() if "straggler" in line]
+    assert len(said) == 1, said
+    found = re.fullmatch(rf"fanrun: rank {rank} is a straggler: compute, ([\d.]+)x the others' step", said[0])
+    assert found and 2.0 <= float(found[1]) <= 4.5, said

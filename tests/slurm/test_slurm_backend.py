@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from cluster_stalls import STALL_TIMEOUT_S, Reports, Stopped, check_report, train_with_a_slow_loader
+from cluster_stalls import (STALL_TIMEOUT_S, Reports, Stopped, check_report, check_straggler, ddp_with_a_slow_rank,
+                            train_with_a_slow_loader)
 import recorded_nvml
 from fanrun import GpuHealthError, NodeEnvironmentError, RunTimeoutError, distributed
 from processes import wait_gone
@@ -240,6 +241,13 @@ def test_a_stall_on_node_2_is_named_from_the_evidence_of_both_nodes(slurm, tmp_p
     with pytest.raises(Stopped):
         call(train_with_a_slow_loader).distributed(str(tmp_path))
     check_report(reports, tmp_path)
+
+
+def test_a_straggler_on_node_2_under_ddp_is_flagged_from_both_nodes_flight_recorders(slurm, capfd):
+    call = distributed(num_accelerators=2, nodes=2, backend="slurm", accelerator_type="CPU", timeout=CALL_TIMEOUT_S,
+                       display="logs")
+    assert call(ddp_with_a_slow_rank).distributed(100, 0.05) == [0, 1]
+    check_straggler(capfd.readouterr().err, 1)
 
 
 def gpu_place(marks):
