@@ -4,7 +4,8 @@
 # given as wheels in .whl/, and MLflow with what it needs in .whl/mlflow/ (for tracking-cost);
 # programs in .whl/bin/ (a static fio, for checkpoint) go first on PATH.
 #   benchmarks/gpu_session.sh [checks] [gpu-tests] [notebooks] [examples] [throughput] [launch] [tracking]
-#   [checkpoint-tests] [checkpoint] [results] [stall] [health] [restart] [restart-tests] [warm-loop] [tracking-cost]
+#   [checkpoint-tests] [checkpoint] [results] [stall] [watchdog-start] [watchdog-wait] [health] [restart]
+#   [restart-tests] [warm-loop] [tracking-cost]
 #   [data] [table]
 # On eight GPUs:
 #   CHECK_ARGS="--raise-rank 5 --kill-rank 3" RANKS="1 2 4 8" benchmarks/gpu_session.sh checks examples launch
@@ -68,7 +69,7 @@ for part in $parts; do
     # The health gate on the real NVML: its cost (benchmarks/health.py), and its tests on GPUs (fanrun doctor --deep too).
     health)
       step health 120 python3 benchmarks/health.py --deep
-      pytest_step health_tests 200 tests/test_health.py -k "real_gpus" -rs ;;
+      PYTHONPATH=/tmp/site-mlflow:${PYTHONPATH:-} pytest_step health_tests 200 tests/test_health.py -k "real_gpus" -rs ;;
     throughput) step throughput 300 python3 benchmarks/throughput.py --steps 100 --repeat 3 --kinds ${KINDS:-ddp fsdp} ;;
     # The launcher alone (fanrun) and with MLflow tracking, its default (tracked), side by side.
     launch) step launch 420 python3 benchmarks/launch.py --ranks ${RANKS:-1 2} --repeat ${REPEAT:-3} ${LAUNCH_ARGS:-} ;;
@@ -82,6 +83,17 @@ for part in $parts; do
     results) FANRUN_TRACKING=0 step results 300 python3 benchmarks/results.py --device cuda --ranks ${RESULT_RANKS:-2} ;;
     # Stalls: the verdict's latency at fanrun's default stall timeout, watching's cost, torch's own timeout.
     stall) FANRUN_TRACKING=0 step stall 560 python3 benchmarks/stall.py --device cuda --ranks ${STALL_RANKS:-1} ${STALL_ARGS:-} ;;
+    # torch's NCCL watchdog at its default timeout (10 min) outlasts a device call: one call starts it
+    # in the background, and a later call on the same machine waits for it and keeps its log.
+    watchdog-start)
+      if [ -n "${DRY_RUN:-}" ]; then echo "step watchdog 900 python3 benchmarks/stall.py --device cuda --ranks 1 --parts torch --torch-timeout 0"; continue; fi
+      FANRUN_TRACKING=0 setsid nohup timeout 900 python3 benchmarks/stall.py --device cuda --ranks 1 --parts torch \
+        --torch-timeout 0 >/tmp/fanrun-watchdog.log 2>&1 </dev/null &
+      echo "=== watchdog: started in the background at $(date +%T)" ;;
+    watchdog-wait)
+      [ -n "${DRY_RUN:-}" ] && continue
+      for _ in $(seq 600); do pgrep -f "stall.py --device cuda --ranks 1 --parts torch" >/dev/null || break; sleep 1; done
+      cp /tmp/fanrun-watchdog.log "$OUT/watchdog.log"; cat "$OUT/watchdog.log"; after watchdog | tee -a "$OUT/watchdog.log" ;;
     # From a rank's death to the next attempt's first step: fanrun keep and fresh, torchrun --max-restarts.
     restart) FANRUN_TRACKING=0 step restart 300 python3 benchmarks/restart.py --ranks ${RESTART_RANKS:-1} --repeat ${REPEAT:-3} ;;
     # A rank killed at step k over NCCL, and a survivor whose CUDA context failed (replaced, not kept).
