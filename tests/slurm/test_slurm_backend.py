@@ -283,6 +283,39 @@ def test_healthy_gpus_on_both_nodes_run_a_gpu_call_there(recorded_gpus, tmp_path
     assert sorted(path.name for path in tmp_path.iterdir() if path.name.isdigit()) == ["0", "1", "2", "3"]
 
 
+def run_id_on_a_gpu():
+    import os
+
+    import mlflow
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), mlflow.active_run().info.run_id
+
+
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # MLflow's own use of SQLAlchemy 2.1
+def test_each_nodes_gpu_verdicts_go_into_the_calls_mlflow_run(recorded_gpus, monkeypatch, tmp_path):
+    from mlflow import MlflowClient
+
+    import fanrun
+
+    healthy = recorded_nvml.node_answers(recorded_nvml.gpu_answers(0), recorded_nvml.gpu_answers(1))
+    recorded_gpus(healthy, healthy)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FANRUN_TRACKING")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    try:
+        ranks = distributed(nodes=2, backend="slurm", slurm={"gres": "gpu:2"},
+                            timeout=CALL_TIMEOUT_S)(run_id_on_a_gpu).distributed()
+        fanrun.flush_tracking()
+    finally:
+        fanrun._tracking.agent_connection.shutdown(wait_s=60)  # as in the MLflow test below
+    (run_id,) = {run_id for _, run_id in ranks}
+    params = MlflowClient(uri).get_run(run_id).data.params
+    verdicts = {key: value for key, value in params.items() if key.startswith("fanrun.health")}
+    assert verdicts == {"fanrun.health": "cheap", **{f"fanrun.health.node_{node}.gpu_{gpu}": "healthy"
+                                                     for node in (0, 1) for gpu in (0, 1)}}
+
+
 def test_an_unhealthy_gpu_on_node_2_stops_the_call_before_any_rank_starts_on_either_node(recorded_gpus, tmp_path):
     gpus = recorded_nvml.gpu_answers
     recorded_gpus(recorded_nvml.node_answers(gpus(0), gpus(1)),

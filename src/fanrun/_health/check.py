@@ -121,3 +121,14 @@ class Gate:
         metrics = {f"fanrun.health.gpu_{index}.{key}": value
                    for index, figures in self.figures.items() for key, value in figures.items()}
         return params, metrics
+
+
+def node_record(level: str, verdicts: dict[int, list[dict]]) -> dict[str, str]:
+    """What the call's MLflow run keeps of the gate each node of a cluster ran on its own GPUs
+    (_health/node.py's verdicts, by node): a parameter per node's GPU, as record() keeps one per GPU."""
+    params = {"fanrun.health": level}
+    for node, gpus in sorted(verdicts.items()):
+        for gpu in gpus:
+            where = f"node_{node}.gpu_{gpu['index']}" if gpu["index"] is not None else f"node_{node}"
+            params[f"fanrun.health.{where}"] = ("; ".join(gpu["problems"]) or "healthy")[:_PARAM_CHARS]
+    return params

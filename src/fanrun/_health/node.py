@@ -10,10 +10,10 @@ from .. import _accelerators
 from . import gate, reader
 
 
-def unhealthy(gpus_needed: int) -> list[dict]:
-    """One entry per unhealthy GPU of the node's first `gpus_needed` ({"index", "uuid", "name",
-    "problems"}), and one with index None where the node shows too few, or NVML cannot be read;
-    empty where all is well."""
+def verdicts(gpus_needed: int) -> list[dict]:
+    """One entry per GPU of the node's first `gpus_needed` ({"index", "uuid", "name", "problems"},
+    no problems where it is healthy), and one with index None where the node shows too few, or
+    NVML cannot be read."""
     visible = _accelerators.detect().visible
     found = []
     if len(visible) < gpus_needed:
@@ -26,7 +26,6 @@ def unhealthy(gpus_needed: int) -> list[dict]:
         return found + [{"index": None, "uuid": "", "name": "", "problems": [
             f"the GPU health check could not read NVML there ({why})"]}]
     for gpu, reading in zip(used, readings):
-        problems = gate.problems(reading, gpu.uuid, {os.getpid()})
-        if problems:
-            found.append({"index": gpu.nvml_index, "uuid": gpu.uuid, "name": gpu.name, "problems": problems})
+        found.append({"index": gpu.nvml_index, "uuid": gpu.uuid, "name": gpu.name,
+                      "problems": gate.problems(reading, gpu.uuid, {os.getpid()})})
     return found

@@ -130,7 +130,9 @@ def _attempt(spec: CallSpec, attempt: int, submission, kept: spares.KeptRanks | 
                                        warm=warm, keep=kept, open_gpu_sample=tracking.gpu_sampler(gpu_indices),
                                        announce=attempt == 0, attempt=attempt,
                                        on_stall_report=stall_outcome.handler(spec.options.on_stall, paths, record),
-                                       on_ranks_ended=ledger.ranks_ended, survivors=survivors)
+                                       on_ranks_ended=ledger.ranks_ended, survivors=survivors,
+                                       on_node_health=lambda verdicts: tracking.node_health(
+                                           tracked, health.node_record(spec.options.health, verdicts)))
 
 
 def _check_node_health_options(options: Options, backend: str) -> None:

@@ -32,7 +32,8 @@ FLIGHT_RECORDER_ENTRIES = 256
 def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: bool = False,
         keep: KeptRanks | None = None, open_gpu_sample: Callable[[], Callable | None] | None = None,
         announce: bool = True, attempt: int = 0, on_stall_report: Callable | None = None,
-        on_ranks_ended: Callable | None = None, survivors=None) -> list[object]:
+        on_ranks_ended: Callable | None = None, survivors=None,
+        on_node_health: Callable[[dict[int, list[dict]]], None] | None = None) -> list[object]:
     """Runs one attempt of the call in `paths`, its directory; returns the results in rank order
     (None for each rank of a script or native program) or raises the root cause.
 
@@ -45,7 +46,9 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
     `on_ranks_ended(records, failure_seen_at)` then takes every rank's last progress record and
     when the first rank that failed was seen to end (None: none was), for the goodput ledger.
     `survivors`: where the call may restart, the ranks the last failed attempt kept in their
-    processes (backends/local/survivors.py), and this attempt's, should it fail."""
+    processes (backends/local/survivors.py), and this attempt's, should it fail.
+    `on_node_health(verdicts)`, on a cluster whose nodes' agents ran the health gate before the
+    ranks started, takes each node's GPUs' verdicts."""
     plan = spec.plan
     global no_gpu_notice_shown
     if plan.notice and not no_gpu_notice_shown:
@@ -81,6 +84,8 @@ def run(spec: CallSpec, paths: RunPaths, *, extra_env: Mapping[str, str], warm: 
                             wakeup_fd=wakeup.read_fd, warm=warm, keep=keep, survivors=survivors,
                             added=frozenset(extra_env))
             ranks = backends.for_plan(plan).start(launch)
+            if on_node_health is not None and ranks.gpu_verdicts:
+                on_node_health(ranks.gpu_verdicts)
             mux.started()
             running_calls.add(paths, ranks, local=plan.backend == "local")
             timeout_report = TimeoutReport(python=spec.program.python)

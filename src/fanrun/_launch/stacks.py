@@ -106,8 +106,9 @@ def _read_ranks(dir_fd: int, run_id: str) -> dict:
     try:
         fd = open_private(dir_fd, running_calls.RANKS_FILE, os.O_RDONLY)
     except FileNotFoundError:
-        raise StacksError(f"run {run_id}: its ranks are not running yet, or have ended (or they run on a Ray "
-                          f"cluster, which `fanrun stacks` cannot reach yet)") from None
+        raise StacksError(f"run {run_id}: its ranks are not running yet, or have ended (or they run on the nodes of "
+                          f"a Ray cluster or a Slurm allocation, which `fanrun stacks` cannot reach yet; a stall's "
+                          f"report and a timeout's dump hold every node's stacks)") from None
     except (UnsafePathError, OSError) as error:
         raise StacksError(f"{damaged} ({error})") from None
     with os.fdopen(fd, "rb") as file:

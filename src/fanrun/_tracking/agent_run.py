@@ -188,7 +188,7 @@ class CallRun:
         run_dir = Path(outcome["run_dir"]) if outcome["run_dir"] else None
         try:
             _within(FINISH_DEADLINE_S, _close_run, run, final_sample, run_dir, outcome["world_size"], status, outcome["tags"],
-                    outcome.get("metrics") or {})
+                    outcome.get("metrics") or {}, outcome.get("params") or {})
         except Exception as failure:
             self.warnings.append(
                 f"fanrun: the MLflow run {run.run_name} ({run.run_id}) could not be closed as {status} in "
@@ -318,12 +318,16 @@ def _metrics_logger(run: TrackedRun) -> Callable[[dict[str, float], int], None]:
 
 def _close_run(
     run: TrackedRun, final_sample: Callable[[], None] | None, run_dir: Path | None, world_size: int, status: str,
-    tags: dict[str, str], metrics: dict[str, float]
+    tags: dict[str, str], metrics: dict[str, float], params: dict[str, str]
 ) -> None:
     if final_sample is not None:
         final_sample()
     if metrics:  # the call's goodput ledger, on the call's run
         _metrics_logger(run)(metrics, 0)
+    if params:  # known once the ranks started: the health gate's verdicts from a cluster's nodes
+        from mlflow.entities import Param
+
+        run.client.log_batch(run.run_id, params=[Param(key, value) for key, value in params.items()])
     if run_dir is not None:
         _upload_logs(run, run_dir, world_size)
     for key, value in tags.items():

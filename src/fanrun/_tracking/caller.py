@@ -85,6 +85,9 @@ class TrackedCall:
     paths: RunPaths | None = None
     # What the run logs as it ends, where it is the call's run: the call's goodput ledger (hook.holds_ledger).
     final_metrics: Callable[[], dict[str, float]] | None = None
+    # Parameters known only once the ranks have started, which the run logs as it ends: the health
+    # gate's verdicts that a cluster's nodes gave (hook.node_health).
+    final_params: dict[str, str] = dataclasses.field(default_factory=dict)
     _run: _CallRun | None = dataclasses.field(default=None, repr=False)
 
     def use_directory(self, paths: RunPaths) -> None:
@@ -174,11 +177,11 @@ def track(*, function_name: str, plan: Plan, gpu_indices: list[int], options: An
             run.wait_opened()  # a run_id that names no run raises here, before any rank starts
         yield call
     except BaseException as error:
-        run.end(call.paths, plan.world_size, error, metrics=_final_metrics(call))
+        run.end(call.paths, plan.world_size, error, metrics=_final_metrics(call), params=call.final_params)
         raise
     finally:
         _tell_if_marked(call.paths, rank_half.UNREACHABLE_MARKER)
-    run.end(call.paths, plan.world_size, None, metrics=_final_metrics(call))
+    run.end(call.paths, plan.world_size, None, metrics=_final_metrics(call), params=call.final_params)
 
 
 def _final_metrics(run: TrackedCall | Submission) -> dict[str, float]:
@@ -301,7 +304,8 @@ class _CallRun:
             self._answered.set()
 
     def end(self, paths: RunPaths | None, world_size: int, error: BaseException | None,
-            extra_tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None) -> None:
+            extra_tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None,
+            params: dict[str, str] | None = None) -> None:
         """Hands the agent the outcome and waits until it has closed the run: made it if it had
         not yet, written what the ranks sent, set the status. What it had to say about the run is
         shown here, at the user's line, before the call returns or raises."""
@@ -310,6 +314,7 @@ class _CallRun:
         self._agent.finish_call(self._id, {
             "status": status, "tags": tags, "world_size": world_size,
             "run_dir": str(paths.directory) if paths is not None else None, "metrics": metrics or {},
+            "params": params or {},
         })
         # Every rank has ended: none will connect to the socket again.
         self.socket.close()

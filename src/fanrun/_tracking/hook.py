@@ -1,6 +1,6 @@
 """Tracking as the call path (_launch/call.py) plugs it in: one context around the whole call, one
-around each attempt, the run that holds the call's goodput ledger, and the GPU samples the live
-panel shows. The rest of _tracking stays behind these four."""
+around each attempt, the run that holds the call's goodput ledger, a cluster's health verdicts,
+and the GPU samples the live panel shows. The rest of _tracking stays behind these five."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def holds_ledger(run: caller.Submission | caller.TrackedCall | None, ledger) -> 
     logs the call's goodput ledger (_launch/goodput.py) as it ends, closed at that moment."""
     if run is not None:
         run.final_metrics = lambda: ledger.close().metrics()
+
+
+def node_health(run: caller.TrackedCall, params: dict[str, str]) -> None:
+    """The health gate's verdicts that a cluster's nodes gave as its ranks started: the attempt's
+    run logs them as it ends, as a local call's run logs its own gate's from its start."""
+    run.final_params.update(params)
 
 
 def gpu_sampler(nvml_indices: list[int]) -> Callable[[], Callable | None] | None:

@@ -31,6 +31,9 @@ class Ranks(Protocol):
     ranks_running_at_timeout: list[int]
     # An end of the backend's own that no rank reports (a node lost): raised as the run's outcome.
     failure: BaseException | None
+    # On a cluster, by node: its GPUs' verdicts from the health gate its agent ran before any rank
+    # started ({"index", "uuid", "name", "problems"}, none where healthy); empty elsewhere.
+    gpu_verdicts: dict[int, list[dict]]
 
     def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0) -> tuple[list[Event], bool, bool]:
         """(events, interrupted, done): waits at most max_wait_s (no limit below 0). Output may be

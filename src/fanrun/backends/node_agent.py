@@ -89,12 +89,12 @@ class NodeAgent:
 
     def check_health(self, level: str, gpus: int) -> list[dict]:
         """The cheap health gate on the `gpus` GPUs this node gives its ranks (none: a CPU call),
-        before any rank of the call starts: the unhealthy ones (_health/node.py)."""
+        before any rank of the call starts: each one's verdict (_health/node.py)."""
         if level == "off" or gpus == 0:
             return []
         from .._health import node
 
-        return node.unhealthy(gpus)
+        return node.verdicts(gpus)
 
     def hold_rendezvous(self, address: str) -> int:
         """On node 0: a port on this node's address, held until just before the ranks start, when

@@ -34,11 +34,13 @@ EVIDENCE_WAIT_S = rank_evidence.WAIT_S + 10.0
 
 
 def check_health(found: dict[str, list[dict]], remedy: str) -> None:
-    """Each node's unhealthy GPUs (_health/node.py's, by the node's description) as one
+    """Each node's unhealthy GPUs (of _health/node.py's verdicts, by the node's description) as one
     GpuHealthError, before a rank starts on any node; nothing where every node is healthy."""
     lines, problems = [], []
     for where, gpus in found.items():
         for gpu in gpus:
+            if not gpu["problems"]:
+                continue
             reason = "; ".join(gpu["problems"])
             if gpu["index"] is None:
                 lines.append(f"{where}: {reason}")
@@ -89,6 +91,8 @@ class NodeRanks:
         self._news: queue.SimpleQueue = queue.SimpleQueue()
         self._news_read, self._news_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._evidence: dict[int, dict] = {}  # node -> its ranks' answers, once asked
+        # node -> its GPUs' verdicts from the health gate its agent ran before the ranks started
+        self.gpu_verdicts: dict[int, list[dict]] = {}
         # Events taken while a stall's evidence was awaited, which the next wait() hands on.
         self._held_events: list = []
 

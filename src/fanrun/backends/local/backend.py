@@ -125,6 +125,7 @@ class LocalRanks:
         self._survivors = survivors
         self.world_size = supervisor.world_size
         self.failure = None  # every end of a local run is a rank's
+        self.gpu_verdicts: dict[int, list[dict]] = {}  # the call path's gate judged this machine's GPUs
 
     def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0):
         return self._supervisor.wait(max_wait_s, gather_s)

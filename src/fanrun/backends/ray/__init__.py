@@ -70,8 +70,8 @@ class RayBackend:
             agents = placement.start_agents(ray, group, plan.nodes, per_node, plan.use_gpus)
             nodes = _describe(ray, agents)
             level = launch.call.options.health
-            unhealthy = ray.get([agent.check_health.remote(level, per_node if plan.use_gpus else 0) for agent in agents])
-            check_health({node.describe(): found for node, found in zip(nodes, unhealthy, strict=True)},
+            health = ray.get([agent.check_health.remote(level, per_node if plan.use_gpus else 0) for agent in agents])
+            check_health({node.describe(): found for node, found in zip(nodes, health, strict=True)},
                          "Leave an unhealthy node out of the cluster (`ray stop` on it)")
             master_addr = nodes[0].address
             master_port = ray.get(agents[0].hold_rendezvous.remote(master_addr))
@@ -93,7 +93,9 @@ class RayBackend:
 
                 link = MetricLink(env[rank_tracking.VARIABLE], publish)
             _announce(nodes, per_node)
-            return RayRanks(ray, agents, nodes, per_node, pids, launch.paths, launch.wakeup_fd, group, link)
+            ranks = RayRanks(ray, agents, nodes, per_node, pids, launch.paths, launch.wakeup_fd, group, link)
+            ranks.gpu_verdicts = dict(enumerate(health))
+            return ranks
         except BaseException:
             placement.release(ray, agents, group)
             raise

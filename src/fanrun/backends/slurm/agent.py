@@ -54,9 +54,9 @@ def main(spec_path: str) -> int:
     port = agent.hold_rendezvous(address) if found and node == 0 else None
     spec = json.loads(spec_file.read_text()) if found else None
     layout = spec["layout"] if spec else {}
-    unhealthy = agent.check_health(spec["health"], layout["local_world_size"] if layout["use_gpus"] else 0) if spec else []
+    health = agent.check_health(spec["health"], layout["local_world_size"] if layout["use_gpus"] else 0) if spec else []
     say(("hello", {"name": name, "hostname": socket.gethostname(), "address": address, "port": port,
-                   "versions": installed_versions(), "sees_run_dir": found, "unhealthy": unhealthy}))
+                   "versions": installed_versions(), "sees_run_dir": found, "health": health}))
     command, value = wire.read_command(sys.stdin.buffer.readline())
     if command != wire.GO:
         return 0

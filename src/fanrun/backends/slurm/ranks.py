@@ -42,7 +42,9 @@ def start_agents(argv: list[str], nodes: int, per_node: int, paths: RunPaths, wa
         described = [Node(node, hellos[node]["name"], hellos[node]["address"], hellos[node]["hostname"])
                      for node in range(nodes)]
         _announce(described, per_node)
-        return SlurmRanks(srun, stderr, news, described, per_node, pids, paths, wakeup_fd, tracking)
+        ranks = SlurmRanks(srun, stderr, news, described, per_node, pids, paths, wakeup_fd, tracking)
+        ranks.gpu_verdicts = {node: hello["health"] for node, hello in sorted(hellos.items())}
+        return ranks
     except BaseException:
         _end(srun)
         raise
@@ -181,7 +183,7 @@ def _check(hellos: dict[int, dict], paths: RunPaths) -> None:
         if wrong:
             raise NodeEnvironmentError(f"{where} has {', '.join(wrong)}. Every node must run the caller's versions of "
                                        f"Python, torch, cloudpickle and fanrun: install the same ones there")
-    check_health({f"node {node} ({hello['name']}, host {hello['hostname']})": hello["unhealthy"]
+    check_health({f"node {node} ({hello['name']}, host {hello['hostname']})": hello["health"]
                   for node, hello in sorted(hellos.items())},
                  "Leave an unhealthy node out of the call (slurm={'exclude': 'NAME'}, or sbatch --exclude=NAME)")
 
