@@ -47,46 +47,69 @@ CALLER = textwrap.dedent(
         time.sleep(seconds)  # what a GPU rank mostly does: wait on its device, not on the CPU
         return 1
 
-    times = []
-    for _ in range(calls):
+    times, agent_cpu_s = [], None
+    for call in range(calls):
         started = time.perf_counter()
         assert work.distributed(seconds) == [1] * ranks
         times.append(time.perf_counter() - started)
+        if call == 0 and tracking:  # the CPU time of the process that tracks the calls, for the first one
+            import os
+            from fanrun._tracking import agent_connection
+            with open(f"/proc/{agent_connection.current().process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            agent_cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     print("times", json.dumps(times), flush=True)
+    print("agent_cpu_s", json.dumps(agent_cpu_s), flush=True)
     """
 )
 
 
 def run_script(mode: str, seconds: float, calls: int, ranks: int, function: str, env: dict,
-               workdir: Path) -> tuple[list[float], float]:
-    """Each call's seconds, and the whole script's (interpreter start to exit)."""
-    return script_times(CALLER, [mode, str(seconds), str(calls), str(ranks), function], env, workdir, SCRIPT_TIMEOUT_S)
+               workdir: Path) -> tuple[list[float], float, float | None]:
+    """Each call's seconds, the whole script's (interpreter start to exit), and the CPU seconds the
+    tracking agent had used by the first call's end (None untracked)."""
+    printed: dict = {}
+    times, whole = script_times(CALLER, [mode, str(seconds), str(calls), str(ranks), function], env, workdir,
+                                SCRIPT_TIMEOUT_S, printed)
+    return times, whole, printed.get("agent_cpu_s")
 
 
-def script_times(code: str, args: list[str], env: dict | None, workdir: Path, timeout_s: float) -> tuple[list[float], float]:
+def script_times(code: str, args: list[str], env: dict | None, workdir: Path, timeout_s: float,
+                 printed: dict | None = None) -> tuple[list[float], float]:
     """Runs `python -c code args...`, which prints "times <JSON list>": that list, and the whole
-    script's seconds (interpreter start to exit)."""
+    script's seconds (interpreter start to exit). Any other "name <JSON>" line goes into `printed`."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=workdir,
                           timeout=timeout_s)
     whole = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"the {args[0]} script failed with {done.returncode}:\n{done.stderr[-3000:]}")
-    line = next(line for line in done.stdout.splitlines() if line.startswith("times "))
-    return json.loads(line.split(" ", 1)[1]), whole
+    values = {}
+    for line in done.stdout.splitlines():
+        name, _, value = line.partition(" ")
+        if name.isidentifier() and value:
+            try:
+                values[name] = json.loads(value)
+            except ValueError:
+                continue
+    if printed is not None:
+        printed.update(values)
+    return values["times"], whole
 
 
 def measure(seconds: float, calls: int, ranks: int, repeat: int, function: str, env: dict,
             workdir: Path) -> dict[str, dict[str, list[float]]]:
     """mode -> {"first": [...], "later": [...], "script": [...]}: on and off take turns, so that
     drift in the machine's load lands on both."""
-    samples = {mode: {"first": [], "later": [], "script": []} for mode in ("on", "off")}
+    samples = {mode: {"first": [], "later": [], "script": [], "agent_cpu": []} for mode in ("on", "off")}
     for index in range(repeat):
         for mode in samples:
-            times, whole = run_script(mode, seconds, calls, ranks, function, env, workdir)
+            times, whole, agent_cpu_s = run_script(mode, seconds, calls, ranks, function, env, workdir)
             samples[mode]["first"].append(times[0])
             samples[mode]["later"] += times[1:]
             samples[mode]["script"].append(whole)
+            if agent_cpu_s is not None:
+                samples[mode]["agent_cpu"].append(agent_cpu_s)
             later = f", later {statistics.median(times[1:]):.3f} s" if times[1:] else ""
             print(f"  {function}, sleep {seconds:g} s, {mode} #{index + 1}: first {times[0]:.3f} s{later}, script {whole:.3f} s",
                   file=sys.stderr, flush=True)
@@ -143,6 +166,12 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for (function, seconds), samples in results.items():
         print("\n".join(rows(function, seconds, args.calls, samples)))
+    # On a machine of few cores, a first call is bound by what every process of it does on the CPU:
+    # the tracking agent's share of that work is what tracking adds there.
+    for (function, seconds), samples in results.items():
+        if samples["on"]["agent_cpu"]:
+            print(f"Tracking agent's CPU time by the first call's end ({function}, sleep {seconds:g} s): "
+                  f"{statistics.median(samples['on']['agent_cpu']):.2f} s, on {os.cpu_count()} cores")
     print(f"Load average after: {os.getloadavg()[0]:.2f}")
 
 
