@@ -181,6 +181,30 @@ def test_a_rank_kept_alive_on_one_gpu_is_not_taken_for_a_call_left_on_another(no
     assert second_pid != first_pid
 
 
+def test_the_deep_checks_figures_name_a_slow_gpu_against_its_model_its_peers_and_the_links():
+    from fanrun._accelerators import Gpu
+    from fanrun._health import deep
+
+    def figures(tflops, tbps, bus=400.0):
+        return {"bf16_tflops": tflops, "copy_tbps": tbps, "all_reduce_bus_gbps": bus}
+
+    h200s = tuple(Gpu(index, "NVIDIA H200", uuid(index), 141 * GIB) for index in range(3))
+    measured, problems = deep.judge(h200s, [figures(700, 4.3), figures(300, 4.2), figures(710, 1.0)])
+    assert measured[1]["bf16_tflops"] == 300
+    assert problems[0] == []
+    assert problems[1] == [f"bf16 matrix products reach 300 TFLOP/s, below 50% of the 989 a H200 should: check its "
+                           f"clocks and power (nvidia-smi -q -d PERFORMANCE) and what else runs on it"]
+    assert len(problems[2]) == 1 and "TB/s, below 50% of the 4.8 a H200 should" in problems[2][0]
+    # A model the table does not know is judged against its peers' median alone.
+    unknown = tuple(Gpu(index, "NVIDIA Future X1", uuid(index), 80 * GIB) for index in range(3))
+    _, problems = deep.judge(unknown, [figures(500, 2.0), figures(490, 2.1), figures(100, 2.0)])
+    assert (problems[0], problems[1]) == ([], []) and "below 50% of the 490 that the node's GPUs reach" in problems[2][0]
+    # A slow all-reduce names every GPU it ran over.
+    _, problems = deep.judge(h200s, [figures(700, 4.3, 100.0)] * 3)
+    assert all(len(found) == 1 and "an all-reduce over GPUs 0, 1, 2 reaches 100 GB/s" in found[0]
+               for found in problems.values())
+
+
 def test_exclude_unhealthy_with_no_healthy_gpu_is_an_error(node, tmp_path):
     node(gpu_answers(0, throttle_reasons="0x20"))
     call = fanrun.distributed(num_accelerators=1, tracking=False, exclude_unhealthy=True)(where_it_ran)
