@@ -11,6 +11,11 @@ what torch alone does with the same hang, from one run on the same machine.
 (b) The cost of watching: the same DDP loop (gloo on CPUs, NCCL on CUDA) with on_stall=None (not
     watched: no progress record, no flight recorder) and with the default; rank 0's steps/s after
     a warm-up, alternating, median of --repeat.
+(d) What watching adds to a step, apart from the step: one process (a gloo group of one) runs a
+    DDP step of a tiny model with a DataLoader batch, an optimizer step and a Python all_reduce,
+    with fanrun's progress record and torch's flight recorder on and off (separate processes,
+    alternating); and what one ask for the flight recorder's collectives costs the rank, which a
+    watched call of several ranks makes every few seconds.
 (c) torch alone on the same hangs: fanrun with on_stall=None, so that only torch acts, and a
     process-group timeout of --torch-timeout seconds given to init_process_group: the time until
     torch's own error reaches the caller (--torch-timeout 0: none given, so torch waits its default,
@@ -19,7 +24,7 @@ what torch alone does with the same hang, from one run on the same machine.
     timeouts torch waits by default. With one rank, only the CUDA streams' hang has a collective waiting.
 
     python benchmarks/stall.py [--ranks 2] [--device cpu|cuda] [--stall-timeout S] [--torch-timeout 20]
-                               [--repeat 5] [--steps 300] [--parts latency cost torch] [--smoke]
+                               [--repeat 5] [--steps 300] [--parts latency cost overhead torch] [--smoke]
 """
 
 from __future__ import annotations
@@ -255,6 +260,77 @@ def steps_per_second(steps: int, warmup: int, device: str) -> float:
     return rate
 
 
+# (d): one process, one rank of a gloo group of one, a DDP step of a tiny model (a DataLoader batch,
+# the backward's all-reduce, an optimizer step, a Python all_reduce), so that what fanrun's
+# observation adds to each step stands out from the step itself; then the cost of one ask for the
+# flight recorder's collectives, which a watched call of several ranks makes every few seconds.
+OVERHEAD_RANK = """
+import os, sys, tempfile, time
+watched, steps, port = sys.argv[1] == "watched", int(sys.argv[2]), sys.argv[3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCH_FR_BUFFER_SIZE="256" if watched else "0")
+if watched:
+    from fanrun._rank import progress
+    progress.install(tempfile.mkdtemp(), 0)
+import torch, torch.distributed as dist
+if watched:  # as the worker registers it once torch is imported
+    from torch.optim import optimizer as optimizer_module
+    optimizer_module.register_optimizer_step_post_hook(progress._stepped)
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+batches = iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4 * (steps * 6 + 300), 4)),
+                                           batch_size=4))
+def step():
+    (inputs,) = next(batches)
+    model(inputs).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    dist.all_reduce(torch.ones(1))
+for _ in range(300):
+    step()
+def per_step():
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - started) / steps
+best = min(per_step() for _ in range(5))
+ask_s = None
+if watched:
+    started = time.perf_counter()
+    for _ in range(20):
+        progress._write_json(os.path.join(tempfile.gettempdir(), f"fanrun-ask-{os.getpid()}.json"),
+                             {"time": time.time(), "collectives": progress._flight_recorder(None)})
+    ask_s = (time.perf_counter() - started) / 20
+    os.unlink(os.path.join(tempfile.gettempdir(), f"fanrun-ask-{os.getpid()}.json"))
+print("overhead", best, ask_s, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def overhead(rounds: int, steps: int) -> dict[str, list[float]]:
+    """(d): the best seconds per step of each round, unwatched and watched alternating, and the
+    seconds one ask for the collectives took (watched rounds)."""
+    import socket
+    import subprocess
+
+    found: dict[str, list[float]] = {"unwatched": [], "watched": [], "ask": []}
+    for _ in range(rounds):
+        for mode in ("unwatched", "watched"):
+            with socket.socket() as probe:  # a free port for the group's store, released for it
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            done = subprocess.run([sys.executable, "-c", OVERHEAD_RANK, mode, str(steps), str(port)],
+                                  capture_output=True, text=True, timeout=600)
+            line = next((line for line in done.stdout.splitlines() if line.startswith("overhead ")), None)
+            if done.returncode != 0 or line is None:
+                raise RuntimeError(f"the {mode} process failed ({done.returncode}): {done.stderr[-2000:]}")
+            _, per_step, ask = line.split()
+            found[mode].append(float(per_step))
+            if ask != "None":
+                found["ask"].append(float(ask))
+    return found
+
+
 def cost(args) -> dict[str, list[float]]:
     from fanrun import distributed
 
@@ -300,7 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=5, help="rounds of (b); medians are shown (default 5)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps of (b) (default 300)")
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--parts", nargs="+", choices=("latency", "cost", "torch"), default=["latency", "cost", "torch"])
+    parser.add_argument("--parts", nargs="+", choices=("latency", "cost", "overhead", "torch"),
+                        default=["latency", "cost", "overhead", "torch"])
     parser.add_argument("--smoke", action="store_true",
                         help="short timeouts, few steps, one round: that every path still runs (its figures mean nothing)")
     args = parser.parse_args(argv)
@@ -352,6 +429,24 @@ def main() -> None:
         ratio = watched / unwatched
         print(f"watched/not watched: {ratio:.3f}x", flush=True)
         goals.append((f"watching costs at most {COST_GOAL:.0%} of the steps/s", ratio >= 1 - COST_GOAL, f"{ratio:.3f}x"))
+    if "overhead" in args.parts:
+        steps = 200 if args.smoke else 1500
+        print(f"\n(d) What watching adds to each step, apart from the step: one process, a DDP step of a tiny model "
+              f"(a batch, the backward's all-reduce, an optimizer step, a Python all_reduce), best of 5 x {steps} "
+              f"steps a round, {args.repeat} rounds alternating; and one ask for the flight recorder's collectives")
+        from fanrun.backends.rank_evidence import COLLECTIVES_EVERY_S
+
+        found = overhead(args.repeat, steps)
+        unwatched, watched = statistics.median(found["unwatched"]), statistics.median(found["watched"])
+        ask = statistics.median(found["ask"])
+        print("| mode | us per step (median of rounds) | rounds |")
+        print("| --- | --- | --- |")
+        for mode in ("unwatched", "watched"):
+            print(f"| {mode} | {statistics.median(found[mode]) * 1e6:.1f} | "
+                  f"{', '.join(f'{value * 1e6:.0f}' for value in found[mode])} |")
+        print(f"watching adds {(watched - unwatched) * 1e6:+.1f} us a step; one ask for the collectives takes "
+              f"{ask * 1e3:.2f} ms of a rank, every {COLLECTIVES_EVERY_S:g} s ({ask / COLLECTIVES_EVERY_S:.2%} of it)",
+              flush=True)
     if "torch" in args.parts:
         given = f"timeout={args.torch_timeout:g} s" if args.torch_timeout else "no timeout: torch's default"
         print(f"\n(c) torch alone (fanrun with on_stall=None): init_process_group({given}); "
