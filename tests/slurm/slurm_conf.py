@@ -8,10 +8,14 @@ import os
 import stat
 from pathlib import Path
 
+from loopback_address import SECOND_ADDRESS
+
 NODES = ("node1", "node2")
 CONTROLLER_PORT = 17000
 # node1 listens on 17001, node2 on 17002: two slurmd on one address need a port each.
 NODE_PORTS = "17001-17002"
+# node1's NodeAddr: the loopback address the cluster adds (loopback_address.py), not 127.0.0.1.
+FIRST_NODE_ADDRESS = SECOND_ADDRESS
 CPUS_PER_NODE = 2
 GPUS_PER_NODE = 2
 
@@ -49,16 +53,20 @@ KillWait=5
 # Two GPUs a node as Slurm counts them (gres.conf), with no GPU behind them: a call can ask for
 # them (gres=gpu:2), and the nodes' GPUs are what the health gate's recorded NVML answers say.
 GresTypes=gpu
-NodeName=node[1-2] NodeHostname={hostname} NodeAddr=127.0.0.1 Port=[{node_ports}] CPUs={cpus} RealMemory=2000 Gres=gpu:{gpus}
+# node1's address is not the one this host's name resolves to (127.0.0.1): a rank's MASTER_ADDR
+# must be node1's NodeAddr, which only `scontrol show node` tells.
+NodeName=node1 NodeHostname={hostname} NodeAddr={first_address} Port={first_port} CPUs={cpus} RealMemory=2000 Gres=gpu:{gpus}
+NodeName=node2 NodeHostname={hostname} NodeAddr=127.0.0.1 Port={second_port} CPUs={cpus} RealMemory=2000 Gres=gpu:{gpus}
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 """
 
 
 def write_slurm_conf(directory: Path, hostname: str, munge_socket: Path) -> Path:
     path = directory / "slurm.conf"
+    first_port, second_port = NODE_PORTS.split("-")
     path.write_text(TEMPLATE.format(hostname=hostname, controller_port=CONTROLLER_PORT, munge_socket=munge_socket,
-                                    directory=directory, node_ports=NODE_PORTS, cpus=CPUS_PER_NODE,
-                                    gpus=GPUS_PER_NODE))
+                                    directory=directory, first_address=FIRST_NODE_ADDRESS, first_port=first_port,
+                                    second_port=second_port, cpus=CPUS_PER_NODE, gpus=GPUS_PER_NODE))
     # Slurm reads gres.conf beside slurm.conf. Its GPUs must be device files: each one here is
     # another name for /dev/null, never opened.
     devices = directory / "gpus"

@@ -20,6 +20,7 @@ import pytest
 from cluster_stalls import (STALL_TIMEOUT_S, Reports, Stopped, check_report, check_straggler, ddp_with_a_slow_rank,
                             train_with_a_slow_loader)
 import recorded_nvml
+from slurm_conf import FIRST_NODE_ADDRESS
 from fanrun import GpuHealthError, NodeEnvironmentError, RunTimeoutError, distributed
 from processes import wait_gone
 
@@ -61,7 +62,7 @@ def test_two_nodes_of_two_ranks_return_in_rank_order_with_each_ranks_environment
     assert [r["NODE_RANK"] for r in results] == ["0", "0", "1", "1"]
     assert [r["SLURMD_NODENAME"] for r in results] == ["node1", "node1", "node2", "node2"]
     assert {r["WORLD_SIZE"] for r in results} == {"4"} and {r["LOCAL_WORLD_SIZE"] for r in results} == {"2"}
-    assert {r["MASTER_ADDR"] for r in results} == {"127.0.0.1"}  # node1's NodeAddr
+    assert {r["MASTER_ADDR"] for r in results} == {FIRST_NODE_ADDRESS}  # node1's NodeAddr, not its host's name
 
 
 def fail_on_node_2():
@@ -125,6 +126,7 @@ def test_scancel_mid_run_names_the_lost_node_and_leaves_no_rank(slurm, tmp_path)
     finally:
         caller.kill()
     assert "raised NodeLostError" in out and "Slurm stopped its agent and ranks with SIGTERM" in out, out + err
+    assert re.search(r"node \d \(\S+\) was lost mid-call \(Slurm node node[12], host ", out), out
     assert wait_gone(ranks, timeout=10) == []
 
 
