@@ -335,7 +335,8 @@ class _Forensics:
                     else:
                         self._write_evidence()
                 except Exception as error:  # evidence is best effort: the stacks file still has the stacks
-                    self._write({"error": f"{type(error).__name__}: {error}"})
+                    # No time: never taken for an answer, so the rank's silence leads to its stacks file.
+                    _write_json(self._answer, {"error": f"{type(error).__name__}: {error}"})
 
     def _write_collectives(self) -> None:
         """Every collective the flight recorder holds, for the straggler watch: who starts each one
@@ -349,11 +350,8 @@ class _Forensics:
         # A second look, with the GIL given up between: a main thread that runs Python has moved
         # by then, one in a native call has not (the launcher's verdict tells them apart so).
         time.sleep(LOOKS_APART_S)
-        self._write({"time": time.time(), "main_stack": stack,
-                     "stacks": _every_stack(sys._current_frames(), self._main), "collectives": collectives})
-
-    def _write(self, evidence: dict) -> None:
-        _write_json(self._answer, evidence)
+        _write_json(self._answer, {"time": time.time(), "main_stack": stack,
+                                   "stacks": _every_stack(sys._current_frames(), self._main), "collectives": collectives})
 
 
 def _write_json(path: str, value: dict) -> None:
