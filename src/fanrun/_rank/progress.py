@@ -350,8 +350,8 @@ class _Forensics:
         # A second look, with the GIL given up between: a main thread that runs Python has moved
         # by then, one in a native call has not (the launcher's verdict tells them apart so).
         time.sleep(LOOKS_APART_S)
-        _write_json(self._answer, {"time": time.time(), "main_stack": stack,
-                                   "stacks": _every_stack(sys._current_frames(), self._main), "collectives": collectives})
+        stacks = _every_stack(sys._current_frames(), self._main)
+        _write_json(self._answer, {"time": time.time(), "main_stack": stack, "stacks": stacks, "collectives": collectives})
 
 
 def _write_json(path: str, value: dict) -> None:
