@@ -90,16 +90,8 @@ def ask_for_collectives(directory: Path, ranks: Iterable[int]) -> None:
 def collectives(path: Path) -> tuple[float, list[dict]] | None:
     """A rank's last answer with its collectives: (when it was written, the collectives); None
     before its first, or where its flight recorder keeps none."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as file:
-        try:
-            answer = json.loads(file.read())
-        except ValueError:
-            return None
-    if not isinstance(answer, dict) or not isinstance(answer.get("collectives"), list):
+    answer = _answer(path)
+    if answer is None or not isinstance(answer.get("collectives"), list):
         return None
     return float(answer.get("time", 0.0)), [entry for entry in answer["collectives"] if isinstance(entry, dict)]
 
@@ -129,6 +121,15 @@ def _ask(fifo: Path, line: bytes = contract.FORENSICS_ASK_EVIDENCE) -> bool:
 
 
 def _fresh_answer(path: Path, asked_at: float) -> dict | None:
+    answer = _answer(path)
+    if answer is None or not answer.get("time", 0) >= asked_at - 1e-3:
+        return None
+    return answer
+
+
+def _answer(path: Path) -> dict | None:
+    """A rank's answer file (JSON, written whole by the rank), read without following a link;
+    None where there is none, or it is not an object."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -138,9 +139,7 @@ def _fresh_answer(path: Path, asked_at: float) -> dict | None:
             answer = json.loads(file.read())
         except ValueError:
             return None
-    if not isinstance(answer, dict) or not answer.get("time", 0) >= asked_at - 1e-3:
-        return None
-    return answer
+    return answer if isinstance(answer, dict) else None
 
 
 def last_lines(path: Path, count: int = LAST_LINES) -> list[str]:
