@@ -74,6 +74,15 @@ def pids(directory, world_size: int, attempt: int) -> list[int]:
     return [int((directory / f"pid-{rank}-{attempt}").read_text()) for rank in range(world_size)]
 
 
+def check_rank_0_replaced(directory, results: list, err: str, why: str) -> None:
+    """Two ranks, rank 1 failed on the first attempt: rank 0 was not kept, for `why`, so that the
+    second attempt (whose ranks return their pids) ran in new processes, and the first's are gone."""
+    first = pids(directory, 2, 0)
+    assert results == pids(directory, 2, 1) and results[0] != first[0] and results[1] != first[1]
+    assert f"rank 0 ends instead of taking the next attempt: {why}" in err, err
+    assert not any(alive(pid) for pid in first)
+
+
 @pytest.mark.parametrize("how, world_size", [("kill", 3), ("raise", 2)])
 def test_the_ranks_that_did_not_fail_keep_their_processes_and_resume_from_the_checkpoint(tmp_path, capfd, how,
                                                                                          world_size):
@@ -144,10 +153,8 @@ def break_cuda_then_wait(directory: str):
 def test_a_rank_whose_cuda_context_failed_is_replaced_not_kept(tmp_path, capfd):
     call = distributed(num_accelerators=2, accelerator_type="CPU", max_restarts=1)(break_cuda_then_wait)
     results = call.distributed(str(tmp_path))
-    first = pids(tmp_path, 2, 0)
-    assert results == pids(tmp_path, 2, 1) and results[0] != first[0] and results[1] != first[1]
     err = capfd.readouterr().err
-    assert "rank 0 ends instead of taking the next attempt: its CUDA context failed" in err, err
+    check_rank_0_replaced(tmp_path, results, err, "its CUDA context failed")
     assert "; starting every rank again\n" in err
 
 
@@ -175,12 +182,8 @@ def fail_to_abort(directory: str):
 
 def test_a_rank_whose_process_group_could_not_be_aborted_is_replaced(tmp_path, capfd):
     results = distributed(num_accelerators=2, max_restarts=1)(fail_to_abort).distributed(str(tmp_path))
-    first = pids(tmp_path, 2, 0)
-    assert results == pids(tmp_path, 2, 1) and results[0] != first[0] and results[1] != first[1]
-    err = capfd.readouterr().err
-    assert ("rank 0 ends instead of taking the next attempt: its process group could not be aborted "
-            "(RuntimeError: the communicator did not abort)") in err, err
-    assert not any(alive(pid) for pid in first)
+    check_rank_0_replaced(tmp_path, results, capfd.readouterr().err,
+                          "its process group could not be aborted (RuntimeError: the communicator did not abort)")
 
 
 def test_a_cuda_error_anywhere_in_a_failures_chain_marks_the_process_unfit():
@@ -228,12 +231,9 @@ def leave_a_thread(directory: str):
 
 def test_a_rank_whose_function_left_a_thread_running_is_replaced_too(tmp_path, capfd):
     results = distributed(num_accelerators=2, max_restarts=1)(leave_a_thread).distributed(str(tmp_path))
-    first = pids(tmp_path, 2, 0)
-    assert results == pids(tmp_path, 2, 1) and results[0] != first[0] and results[1] != first[1]
     err = capfd.readouterr().err
-    assert "rank 0 ends instead of taking the next attempt: threads the function started still run (left-behind)" in err
+    check_rank_0_replaced(tmp_path, results, err, "threads the function started still run (left-behind)")
     assert "; starting every rank again\n" in err
-    assert not any(alive(pid) for pid in first)
 
 
 def stop_in_an_import(directory: str):
