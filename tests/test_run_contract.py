@@ -22,6 +22,7 @@ def test_the_control_channel_is_the_same_in_both_languages():
     assert _run_contract.CONTROL_LOG == _core.CONTROL_LOG
     assert _run_contract.SPARE_CALL == _core.SPARE_CALL
     assert _run_contract.SPARE_READY == _core.SPARE_READY
+    assert _run_contract.ZYGOTE_FORK == _core.ZYGOTE_FORK
     assert _run_contract.CONTROL_KEPT == _core.CONTROL_KEPT
 
 

@@ -42,7 +42,8 @@ def describe(x):
     dist.destroy_process_group()
     print(f"hello from rank {os.environ['RANK']}", flush=True)
     return {"rank": os.environ["RANK"], "sum": total.item(), "pid": os.getpid(), "cwd": os.getcwd(),
-            "env": os.environ.get("FANRUN_WARM_TEST"), "random": random.random(), "numpy": float(numpy.random.rand())}
+            "env": os.environ.get("FANRUN_WARM_TEST"), "random": random.random(), "numpy": float(numpy.random.rand()),
+            "torch": torch.rand(1).item()}
 
 
 cold_describe = distributed(num_accelerators=2, warm=False)(describe.__wrapped__)
@@ -67,8 +68,54 @@ def test_a_warm_call_runs_on_the_spares_and_returns_what_a_cold_one_does(spares,
 
 def test_random_streams_differ_across_ranks_and_calls(spares):
     fanrun.warmup(2)
-    draws = [(r["random"], r["numpy"]) for _ in range(2) for r in describe.distributed(0)]
-    assert len({d[0] for d in draws}) == 4 and len({d[1] for d in draws}) == 4
+    draws = [(r["random"], r["numpy"], r["torch"]) for _ in range(2) for r in describe.distributed(0)]
+    assert all(len({d[i] for d in draws}) == 4 for i in range(3)), draws
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rpartition(")")[2].split()[1])
+
+
+@distributed(num_accelerators=2, warm=True)
+def lineage(wait_for: str | None = None):
+    """This rank's pid and its keeper's parent; with `wait_for`, once that file exists."""
+    import os
+    import time
+
+    while wait_for is not None and not os.path.exists(wait_for):
+        time.sleep(0.01)
+    return os.getpid(), parent_of(os.getppid())
+
+
+def test_the_spares_of_a_loop_of_calls_are_forked_from_one_zygote(spares):
+    # The first call settles what the spares import (mlflow where calls are tracked).
+    fanrun.warmup(2, wait=True)
+    lineage.distributed()
+    zygote = spares.zygote_pid()
+    assert zygote is not None
+    for _ in range(3):
+        waiting = spares.pids()
+        ranks = lineage.distributed()
+        # Each rank was a waiting spare, forked from the zygote, under a keeper of its own.
+        assert sorted(pid for pid, _ in ranks) == sorted(waiting) and {parent for _, parent in ranks} == {zygote}
+    assert spares.zygote_pid() == zygote
+
+
+def test_spares_forked_from_a_zygote_outlive_it(spares, tmp_path):
+    fanrun.warmup(2, wait=True)
+    lineage.distributed()
+    zygote, forked = spares.zygote_pid(), spares.pids()
+    release = tmp_path / "release"
+    killer = threading.Timer(0.5, lambda: (os.kill(zygote, signal.SIGKILL), wait_gone([zygote], timeout=10), release.touch()))
+    killer.start()
+    ranks = lineage.distributed(str(release))
+    killer.join()
+    # The ranks were the forked spares, whose keepers lost their parent while they ran.
+    assert sorted(pid for pid, _ in ranks) == sorted(forked) and zygote not in {parent for _, parent in ranks}
+    # The next call's spares come from a new zygote, or by exec while it imports.
+    assert wait_gone([zygote], timeout=10) == []
+    assert len(lineage.distributed()) == 2 and spares.zygote_pid() not in (None, zygote)
 
 
 def test_a_caller_holding_threads_gets_warm_ranks_that_work(spares):

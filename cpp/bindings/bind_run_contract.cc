@@ -19,6 +19,7 @@ void BindRunContract(nb::module_& m) {
   m.attr("CONTROL_LOG") = std::string(kControlLog);
   m.attr("SPARE_CALL") = std::string(kSpareCall);
   m.attr("SPARE_READY") = std::string(kSpareReady);
+  m.attr("ZYGOTE_FORK") = std::string(kZygoteFork);
   m.attr("CONTROL_KEPT") = std::string(kControlKept);
   nb::enum_<EventKind>(m, "EventKind", "What Supervisor.wait reports.")
       .value("OUTPUT", EventKind::kOutput, "A piece of a rank's output: Event.stream, .segment and .data.")

@@ -15,6 +15,7 @@
 #include "call_without_gil.h"
 #include "fanrun/run_contract.h"
 #include "fanrun/spare_rank.h"
+#include "fanrun/spare_zygote.h"
 #include "fanrun/supervisor.h"
 #include "status_to_python.h"
 
@@ -49,6 +50,15 @@ PySpareRank StartSpare(const std::vector<std::string>& argv, const std::vector<s
   spawn.cwd = cwd;
   // Released: spares start in a thread of their own while the caller's code goes on.
   return PySpareRank{CallWithoutGil([&] { return SpareRank::Start(keeper, std::move(spawn)); })};
+}
+
+SpareZygote StartZygote(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                        const std::string& cwd) {
+  SpawnOptions spawn;
+  spawn.argv = argv;
+  spawn.env = env;
+  spawn.cwd = cwd;
+  return CallWithoutGil([&] { return SpareZygote::Start(std::move(spawn)); });
 }
 
 std::unique_ptr<Supervisor> StartSupervisor(SupervisorOptions options, const std::vector<PySpareRank*>& spares) {
@@ -219,6 +229,24 @@ void BindSupervisor(nb::module_& m) {
             return CallWithoutGil([&] { return spare.WaitReady(timeout_s); });
           },
           nb::arg("timeout_s"), "Whether its imports are done, waiting up to timeout_s for them.");
+
+  nb::class_<SpareZygote>(m, "SpareZygote",
+                          "An interpreter with the spares' imports done, which forks spares ready at once\n"
+                          "(spare_zygote.h). It ends when dropped; the spares forked from it do not.")
+      .def_static("start", &StartZygote, nb::arg("argv"), nb::arg("env"), nb::arg("cwd"))
+      .def_prop_ro("pid", &SpareZygote::pid)
+      .def("alive", &SpareZygote::alive)
+      .def("kill", [](SpareZygote& z) { ThrowIfError(z.Kill()); }, "SIGKILL: its imports end, and WaitReady with them.")
+      .def(
+          "wait_ready",
+          [](SpareZygote& z, double timeout_s) { return CallWithoutGil([&] { return z.WaitReady(timeout_s); }); },
+          nb::arg("timeout_s"), "Whether its imports are done, waiting up to timeout_s for them.")
+      .def(
+          "fork",
+          [](SpareZygote& z, const std::string& keeper) {
+            return PySpareRank{CallWithoutGil([&] { return z.Fork(keeper); })};
+          },
+          nb::arg("keeper"), "A spare forked from it, under a keeper of its own, ready for its call.");
 
   nb::class_<Supervisor>(m, "Supervisor")
       .def_static("start", &StartSupervisor, nb::arg("options"), nb::arg("spares") = std::vector<PySpareRank*>{},

@@ -28,6 +28,11 @@ inline constexpr std::string_view kSpareCall = "call ";
 // A spare rank's one line before its call: its imports are done. (A supervisor that reads it
 // after the handover drops it, as any line that is none of the above.)
 inline constexpr std::string_view kSpareReady = "ready";
+// To a spare zygote (spare_zygote.h), which says kSpareReady once its imports are done: fork a
+// spare. This word, the path of fanrun-keeper and a newline, with two descriptors attached
+// (SCM_RIGHTS): the forked keeper's channel and the spare's control channel. It answers the
+// keeper's pid in decimal and a newline.
+inline constexpr std::string_view kZygoteFork = "fork ";
 // From a rank that was a spare, after kControlDone: "my output is flushed, my stdout and stderr
 // are no longer the call's, and I wait on my control channel for another call". The call is
 // over for it without an exit; Supervisor::ReleaseKept hands it on as a spare (keep_alive).

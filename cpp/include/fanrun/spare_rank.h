@@ -26,6 +26,9 @@ class SpareRank {
   // A rank that said kControlKept at the end of its call: it waits for another one on
   // `channel`, the supervisor's end of its control channel.
   static Result<SpareRank> Kept(KeptProcess process, FileDescriptor channel);
+  // A spare forked from a zygote (spare_zygote.h), ready at once; `channel`: our end of its
+  // control channel.
+  static Result<SpareRank> Forked(KeptProcess process, FileDescriptor channel);
   SpareRank(SpareRank&& other) noexcept = default;
   SpareRank& operator=(SpareRank&&) = delete;
 

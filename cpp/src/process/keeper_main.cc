@@ -8,6 +8,7 @@
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -115,12 +116,15 @@ class ProcessTree {
 
 class Keeper {
  public:
+  // owner 0: the channel's end alone says that the owner is gone.
   explicit Keeper(pid_t owner) : owner_(owner) {}
   int Run(const char* directory, const char* path, char** argv);
+  int RunAdopted(pid_t program);
 
  private:
   Status Prepare();
   Status Start(const char* directory, const char* path, char** argv);
+  int Keep();
   void Apply(const Command& command);
   void ReadSignals();
   bool ReapExited();
@@ -129,7 +133,7 @@ class Keeper {
   void Send(ReportKind kind, int32_t value, int32_t signal, const std::string& text = "");
   // Parent-death signals come as SIGHUP; a SIGHUP, SIGTERM or SIGINT from anyone else (a
   // scheduler signalling every process of a job) is the program's to handle, not the keeper's.
-  bool OwnerGone() const { return ::getppid() != owner_; }
+  bool OwnerGone() const { return owner_ != 0 && ::getppid() != owner_; }
 
   const pid_t owner_;
   bool control_ = false;
@@ -151,6 +155,26 @@ int Keeper::Run(const char* directory, const char* path, char** argv) {
     return 127;
   }
   Send(ReportKind::kStarted, program_->pid(), 0);
+  return Keep();
+}
+
+int Keeper::RunAdopted(pid_t program) {
+  Status st = Prepare();
+  FileDescriptor pidfd(static_cast<int>(::syscall(SYS_pidfd_open, program, 0)));
+  if (st.ok() && !pidfd.valid()) st = DescriptorError(errno, "fanrun-keeper: pidfd_open of the adopted program");
+  if (!st.ok()) {
+    Send(ReportKind::kStartFailed, static_cast<int32_t>(st.code()), 0, st.message());
+    if (program > 0) ::kill(program, SIGKILL);
+    return 127;
+  }
+  program_.emplace(program, std::move(pidfd));
+  Send(ReportKind::kStarted, program, 0);
+  // It may have ended before the signals were blocked: that SIGCHLD is not coming again.
+  ReapExited();
+  return Keep();
+}
+
+int Keeper::Keep() {
   while (!program_exit_ && !stop_) {
     pollfd fds[2] = {{kChannel, POLLIN, 0}, {signals_.fd(), POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) {
@@ -286,6 +310,9 @@ void Keeper::Send(ReportKind kind, int32_t value, int32_t signal, const std::str
 
 int main(int argc, char** argv) {
   using namespace fanrun::keeper;
+  if (argc == 3 && std::strcmp(argv[1], kAdoptArg) == 0) {
+    ::_exit(Keeper(0).RunAdopted(static_cast<pid_t>(std::strtol(argv[2], nullptr, 10))));
+  }
   if (argc <= kProgramArgs) {
     std::fprintf(stderr, "fanrun-keeper is started by fanrun's engine for each rank, not by hand\n");
     return 2;

@@ -12,6 +12,10 @@ constexpr int kOwnerArg = 1;
 constexpr int kDirectoryArg = 2;
 constexpr int kPathArg = 3;
 constexpr int kProgramArgs = 4;
+// Or: fanrun-keeper --adopt <program pid>, exec'd by the parent of a program that is already
+// its child (a spare zygote's fork: spare_zygote.h). Its owner is whoever holds the other end
+// of its channel; it has no parent to outlive.
+constexpr const char* kAdoptArg = "--adopt";
 
 // Owner -> keeper. The owner closing its side means: kill everything and leave.
 enum class Scope : int32_t {

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -15,6 +16,25 @@ namespace {
 
 // The keeper gives what is left 10 s to die after SIGKILL; beyond this it is stuck itself.
 constexpr int kKeeperExitWaitMs = 15000;
+
+// The keeper's first report: kStarted with the program's pid, or why it could not start. With
+// no report at all (the keeper ended first), *silent is set.
+Result<pid_t> ReadStarted(int channel, const std::string& what, bool* silent) {
+  char packet[keeper::kMaxPacket];
+  ssize_t got;
+  do {
+    got = ::recv(channel, packet, sizeof(packet), 0);
+  } while (got < 0 && errno == EINTR);
+  keeper::Report report{};
+  if (got >= static_cast<ssize_t>(sizeof(report))) std::memcpy(&report, packet, sizeof(report));
+  if (report.kind == keeper::ReportKind::kStarted) return static_cast<pid_t>(report.value);
+  if (report.kind == keeper::ReportKind::kStartFailed) {
+    return Status(static_cast<StatusCode>(report.value),
+                  std::string(packet + sizeof(report), static_cast<size_t>(got) - sizeof(report)));
+  }
+  *silent = true;
+  return Status::IOError("fanrun's rank keeper ended before starting ", what);
+}
 
 }  // namespace
 
@@ -42,35 +62,40 @@ Result<KeptProcess> KeptProcess::Start(const std::string& keeper, const SpawnOpt
   }
   ChildProcess child = std::move(started).ValueOrDie();
   FANRUN_RETURN_NOT_OK(theirs.Close());
-
-  char packet[keeper::kMaxPacket];
-  ssize_t got;
-  do {
-    got = ::recv(ours.fd(), packet, sizeof(packet), 0);
-  } while (got < 0 && errno == EINTR);
-  keeper::Report report{};
-  if (got >= static_cast<ssize_t>(sizeof(report))) std::memcpy(&report, packet, sizeof(report));
-  if (report.kind == keeper::ReportKind::kStarted) return KeptProcess(std::move(child), std::move(ours), report.value);
+  bool silent = false;
+  Result<pid_t> program = ReadStarted(ours.fd(), "'" + path + "'", &silent);
+  if (program.ok()) return KeptProcess(std::move(child), std::move(ours), *program);
   FANRUN_ASSIGN_OR_RETURN(ExitStatus keeper_exit, child.Wait());
-  if (report.kind == keeper::ReportKind::kStartFailed) {
-    return Status(static_cast<StatusCode>(report.value),
-                  std::string(packet + sizeof(report), static_cast<size_t>(got) - sizeof(report)));
-  }
+  if (!silent) return program.status();
   return Status::IOError("fanrun's rank keeper ", keeper_exit.Describe(), " before starting '", path, "'");
 }
 
+Result<KeptProcess> KeptProcess::Adopt(pid_t keeper_pid, FileDescriptor channel) {
+  // Opened before its report is read: while it has not reported, the keeper is alive, so this
+  // pid is still its own.
+  FileDescriptor pidfd(static_cast<int>(::syscall(SYS_pidfd_open, keeper_pid, 0)));
+  if (!pidfd.valid()) return DescriptorError(errno, "pidfd_open failed for a forked spare's keeper");
+  bool silent = false;
+  FANRUN_ASSIGN_OR_RETURN(pid_t program, ReadStarted(channel.fd(), "a forked spare rank", &silent));
+  return KeptProcess(std::move(pidfd), std::move(channel), program);
+}
+
 KeptProcess::~KeptProcess() {
-  if (keeper_.reaped()) return;
+  if (reaped()) return;
   KillAll();
-  pollfd p{keeper_.pidfd(), POLLIN, 0};
+  pollfd p{pidfd(), POLLIN, 0};
   if (::poll(&p, 1, kKeeperExitWaitMs) != 1) {
-    FANRUN_WARN_NOT_OK(keeper_.Signal(SIGKILL), "killing a rank keeper that did not exit");
+    if (keeper_) {
+      FANRUN_WARN_NOT_OK(keeper_->Signal(SIGKILL), "killing a rank keeper that did not exit");
+    } else {
+      ::syscall(SYS_pidfd_send_signal, pidfd(), SIGKILL, nullptr, 0U);
+    }
   }
   FANRUN_WARN_NOT_OK(Wait().status(), "reaping a rank keeper");
 }
 
 Status KeptProcess::Send(int signo, bool all) const {
-  if (keeper_.reaped() || !channel_.valid()) return Status::OK();
+  if (reaped() || !channel_.valid()) return Status::OK();
   const keeper::Command command{signo, all ? keeper::Scope::kAll : keeper::Scope::kProgram};
   if (::send(channel_.fd(), &command, sizeof(command), MSG_NOSIGNAL | MSG_DONTWAIT) < 0 && errno != EPIPE &&
       errno != ECONNRESET) {
@@ -105,14 +130,35 @@ ExitStatus KeptProcess::ProgramExit(const ExitStatus& keeper_exit) const {
   return keeper_exit;
 }
 
+Result<std::optional<ExitStatus>> KeptProcess::AdoptedEnd(int timeout_ms) {
+  if (reaped()) return Status::Invalid("the keeper of pid ", pid_, " was already reaped");
+  pollfd p{adopted_pidfd_.fd(), POLLIN, 0};
+  int polled;
+  do {
+    polled = ::poll(&p, 1, timeout_ms);
+  } while (polled < 0 && errno == EINTR);
+  if (polled < 0) return Status::IOErrorFromErrno(errno, "Failed to wait for the keeper of pid ", pid_);
+  if (polled == 0) return std::optional<ExitStatus>();
+  adopted_ended_ = true;
+  // Without a report, the keeper itself was killed, and the program with everything it started.
+  ExitStatus killed;
+  killed.term_signal = SIGKILL;
+  return std::optional<ExitStatus>(ProgramExit(killed));
+}
+
 Result<std::optional<ExitStatus>> KeptProcess::TryReap() {
-  FANRUN_ASSIGN_OR_RETURN(std::optional<ExitStatus> keeper_exit, keeper_.TryReap());
+  if (!keeper_) return AdoptedEnd(0);
+  FANRUN_ASSIGN_OR_RETURN(std::optional<ExitStatus> keeper_exit, keeper_->TryReap());
   if (!keeper_exit) return keeper_exit;
   return std::optional<ExitStatus>(ProgramExit(*keeper_exit));
 }
 
 Result<ExitStatus> KeptProcess::Wait() {
-  FANRUN_ASSIGN_OR_RETURN(ExitStatus keeper_exit, keeper_.Wait());
+  if (!keeper_) {
+    FANRUN_ASSIGN_OR_RETURN(std::optional<ExitStatus> end, AdoptedEnd(-1));
+    return *end;
+  }
+  FANRUN_ASSIGN_OR_RETURN(ExitStatus keeper_exit, keeper_->Wait());
   return ProgramExit(keeper_exit);
 }
 

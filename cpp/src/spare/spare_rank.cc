@@ -4,13 +4,9 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cstring>
 
 #include "fanrun/run_contract.h"
+#include "spare/channel_internal.h"
 
 namespace fanrun {
 namespace {
@@ -47,6 +43,13 @@ Result<SpareRank> SpareRank::Start(const std::string& keeper, SpawnOptions optio
   return SpareRank(std::move(process), std::move(ours));
 }
 
+Result<SpareRank> SpareRank::Forked(KeptProcess process, FileDescriptor channel) {
+  // Its imports were the zygote's, done before it forked: it says nothing before its call.
+  SpareRank spare(std::move(process), std::move(channel));
+  spare.ready_ = true;
+  return spare;
+}
+
 Result<SpareRank> SpareRank::Kept(KeptProcess process, FileDescriptor channel) {
   // The supervisor read it without blocking; a call is handed over with blocking sends.
   FANRUN_RETURN_NOT_OK(SetBlocking(channel.fd()));
@@ -61,53 +64,18 @@ bool SpareRank::waiting() const {
 }
 
 Result<bool> SpareRank::WaitReady(double timeout_s) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  while (!ready_) {
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
-    pollfd p{channel_.fd(), POLLIN, 0};
-    const int polled = ::poll(&p, 1, static_cast<int>(std::max<long long>(left, 0)));
-    if (polled < 0 && errno == EINTR) continue;
-    if (polled < 0) return Status::IOErrorFromErrno(errno, "Failed to wait for spare rank ", pid());
-    if (polled == 0) return false;
-    char buffer[64];
-    const ssize_t n = ::recv(channel_.fd(), buffer, sizeof(buffer), MSG_DONTWAIT);
-    if (n <= 0) return false;  // it has ended, or nothing after all
-    said_.append(buffer, static_cast<size_t>(n));
-    ready_ = said_.find(std::string(kSpareReady) + "\n") != std::string::npos;
+  if (!ready_) {
+    FANRUN_ASSIGN_OR_RETURN(ready_, spare::WaitForLine(channel_.fd(), kSpareReady, timeout_s, &said_));
   }
-  return true;
+  return ready_;
 }
 
 Result<std::pair<KeptProcess, FileDescriptor>> SpareRank::Become(const SpawnOptions& call, int stdout_fd,
                                                                   int stderr_fd) && {
   const std::string body = CallBody(call);
   const std::string message = std::string(kSpareCall) + std::to_string(body.size()) + "\n" + body;
-  // The descriptors travel with the message's first bytes; the rest follows as a stream.
-  iovec data{const_cast<char*>(message.data()), message.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
-  msghdr header{};
-  header.msg_iov = &data;
-  header.msg_iovlen = 1;
-  header.msg_control = control;
-  header.msg_controllen = sizeof(control);
-  cmsghdr* rights = CMSG_FIRSTHDR(&header);
-  rights->cmsg_level = SOL_SOCKET;
-  rights->cmsg_type = SCM_RIGHTS;
-  rights->cmsg_len = CMSG_LEN(2 * sizeof(int));
-  const int fds[2] = {stdout_fd, stderr_fd};
-  std::memcpy(CMSG_DATA(rights), fds, sizeof(fds));
-  ssize_t sent;
-  do {
-    sent = ::sendmsg(channel_.fd(), &header, MSG_NOSIGNAL);
-  } while (sent < 0 && errno == EINTR);
-  if (sent < 0) {
-    return Status::IOErrorFromErrno(errno, "The spare rank (pid ", pid(), ") could not be handed its call; it has ended");
-  }
-  for (size_t done = static_cast<size_t>(sent); done < message.size(); done += static_cast<size_t>(sent)) {
-    sent = ::send(channel_.fd(), message.data() + done, message.size() - done, MSG_NOSIGNAL);
-    if (sent < 0 && errno == EINTR) sent = 0;
-    if (sent < 0) return Status::IOErrorFromErrno(errno, "The spare rank (pid ", pid(), ") ended while taking its call");
-  }
+  FANRUN_RETURN_NOT_OK(spare::SendWithDescriptors(channel_.fd(), message, {stdout_fd, stderr_fd},
+                                                  "The spare rank (pid " + std::to_string(pid()) + ")"));
   return std::pair<KeptProcess, FileDescriptor>(std::move(process_), std::move(channel_));
 }
 

@@ -155,6 +155,11 @@ CONTROL_LOG = "log "
 SPARE_CALL = "call "
 # A spare rank's one line before its call: its imports are done.
 SPARE_READY = "ready"
+# To a spare zygote (_rank/zygote.py), which says SPARE_READY once its imports are done: fork a
+# spare. This word, the path of fanrun-keeper and a newline, with two descriptors attached
+# (SCM_RIGHTS): the forked keeper's channel and the spare's control channel. It answers the
+# keeper's pid in decimal and a newline.
+ZYGOTE_FORK = "fork "
 # From a rank that was a spare, after CONTROL_DONE: "my output is flushed, my stdout and stderr
 # are no longer the call's, and I wait on my control channel for another call".
 CONTROL_KEPT = "kept"

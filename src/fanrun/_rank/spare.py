@@ -5,8 +5,10 @@ From there it runs fanrun's worker exactly as a rank started for the call would.
 keep_alive (contract.py, ENV_KEEP_ALIVE) that ends well leaves it waiting for the next call, in
 the same process (_rank/keep.py).
 
-Started as `python -u -c <bootstrap> <sys.path as JSON> <module,module,...>`, by path like the
-worker, importing only the standard library besides what it preloads."""
+Started as `python -u -c <bootstrap> <sys.path as JSON> <module,module,...> [zygote]`, by path like
+the worker, importing only the standard library besides what it preloads. With `zygote`, it is a
+spare zygote instead (_rank/zygote.py): once its imports are done, it forks spares, and this
+function goes on in each of them."""
 
 from __future__ import annotations
 
@@ -27,10 +29,13 @@ def bootstrap_code() -> str:
 
 def main() -> None:
     here = os.path.dirname(__file__)
-    # Before any import starts a thread (abandon.py): the restarts that keep the processes.
+    zygote = sys.argv[3:4] == ["zygote"]
+    # Before any import starts a thread (abandon.py): the restarts that keep the processes. A
+    # zygote's spares install it after their fork, which leaves them a single thread.
     abandon = runpy.run_path(os.path.join(here, "abandon.py"))["Abandon"](_contract["ABANDON_SIGNAL"],
                                                                              _contract["ABANDON_WAKE_SIGNAL"])
-    abandon.install()
+    if not zygote:
+        abandon.install()
     sys.path[:] = json.loads(sys.argv[1])
     for name in filter(None, sys.argv[2].split(",")):
         try:
@@ -43,6 +48,9 @@ def main() -> None:
     gc.freeze()
     _tell(_contract["SPARE_READY"])
     worker = runpy.run_path(os.path.join(here, "worker.py"))
+    if zygote:
+        runpy.run_path(os.path.join(here, "zygote.py"))["serve_forks"](_contract)
+        abandon.install()  # in a forked spare, ready for its call
     keep = None
     while True:
         call = _receive_call()

@@ -3,11 +3,14 @@ ranks will import already imported (torch alone takes seconds), waiting to be ha
 (cpp/include/fanrun/spare_rank.h, _rank/spare.py). A warm call takes as many as it has ranks,
 and as it starts, as many are started for the next one.
 
-Each is started by exec, never forked from the caller, so a caller that has initialised CUDA or
-holds threads is no obstacle, and it never touches a GPU itself. Spares are the caller's
-children under keepers: they die with it. They end after IDLE_TIMEOUT_S unused, and are
-replaced when what they were started with has changed: the interpreter, sys.path, the working
-directory, the environment, or the packages installed on sys.path."""
+None is forked from the caller, so a caller that has initialised CUDA or holds threads is no
+obstacle, and none touches a GPU itself. The pool's spares are forked from a spare zygote
+(cpp/include/fanrun/spare_zygote.h, _rank/zygote.py): one interpreter, started by exec, that
+has done the imports once. A fork is ready in milliseconds, so calls shorter than an import
+still find their spares ready; a spare that cannot be forked is started by exec. Spares are the
+caller's descendants under keepers: they die with it. They end after IDLE_TIMEOUT_S unused, and
+are replaced when what they were started with has changed: the interpreter, sys.path, the
+working directory, the environment, or the packages installed on sys.path."""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ PRELOADABLE = (
     "tokenizers", "safetensors", "accelerate", "deepspeed", "lightning", "pytorch_lightning", "timm",
 )
 IDLE_TIMEOUT_S = 600.0
+# How long the pool waits for its zygote's imports before it starts spares by exec instead.
+ZYGOTE_IMPORT_LIMIT_S = 600.0
 # FANRUN_WARM=1 makes every call warm unless its decorator says warm=False; 0 makes none warm.
 ENV_WARM = "FANRUN_WARM"
 # Where nothing else decides, a function's calls are warm on a machine with this many cores for
@@ -45,6 +50,13 @@ class SparePool:
         self._lock = threading.Lock()
         self._spares: list = []
         self._started_with: tuple | None = None
+        # The zygote and the spare command it was started with; its own lock, since forks are
+        # asked for both under the pool's lock (fill) and without it (start).
+        self._zygote_lock = threading.Lock()
+        self._zygote = None
+        self._zygote_command: tuple | None = None
+        self._importing = None  # the zygote a fill waits for, which drop() ends
+        self._generation = 0  # counts drops
         self._idle_timer: threading.Timer | None = None
         self._filling: threading.Thread | None = None
         self.preload: tuple[str, ...] = ()  # besides PRELOADABLE's: fanrun.warmup(preload=...)
@@ -93,17 +105,62 @@ class SparePool:
                 self._drop_locked()
                 self._started_with = starting_point
             self._spares = [spare for spare in self._spares if spare.waiting()]
-            self._spares += self.start(count - len(self._spares), keeper, rank_defaults)
+            self._spares += self._started(count - len(self._spares), keeper, rank_defaults, start_zygote=True)
             self._restart_idle_timer_locked()
 
     def start(self, count: int, keeper: str, rank_defaults: dict[str, str]) -> list:
-        """`count` spares started now, for the caller to hand their calls (none kept here)."""
+        """`count` spares started now, for the caller to hand their calls (none kept here):
+        forked where the pool's zygote is ready for them, else started by exec."""
+        return self._started(count, keeper, rank_defaults, start_zygote=False)
+
+    def _started(self, count: int, keeper: str, rank_defaults: dict[str, str], *, start_zygote: bool) -> list:
+        """`count` spares: forked from the zygote, started first and waited for where
+        `start_zygote`; else forked only from a zygote ready now. The rest by exec."""
         if count <= 0:
             return []
         argv, env = self._spare_command(rank_defaults)
+        generation = self._generation
+        # Without start_zygote, a zygote another thread is waiting for does not hold this up.
+        if self._zygote_lock.acquire(blocking=start_zygote):
+            try:
+                zygote = self._zygote_for_locked((*argv, *env, os.getcwd()), argv, env, start_zygote)
+                if zygote is not None:
+                    try:
+                        return [zygote.fork(keeper) for _ in range(count)]
+                    except Exception:
+                        self._zygote = None  # it ended: these spares start by exec, the next fill starts another
+            finally:
+                self._zygote_lock.release()
+        if generation != self._generation:
+            return []  # the pool was dropped while its zygote imported
         return [_core.SpareRank.start(argv=argv, env=env, cwd=os.getcwd(), keeper=keeper) for _ in range(count)]
 
+    def _zygote_for_locked(self, command: tuple, argv: list[str], env: list[str], start: bool):
+        """The zygote of spares started with `command`, its imports done; None where there is
+        none and `start` is false, or it failed before its imports were done."""
+        if self._zygote_command != command or (self._zygote is not None and not self._zygote.alive()):
+            self._zygote, self._zygote_command = None, None  # it ends; the spares forked from it do not
+        if self._zygote is None:
+            if not start:
+                return None
+            self._zygote = self._importing = _core.SpareZygote.start(argv=[*argv, "zygote"], env=env, cwd=os.getcwd())
+            self._zygote_command = command
+        try:
+            ready = self._zygote.wait_ready(ZYGOTE_IMPORT_LIMIT_S if start else 0.0)
+        finally:
+            self._importing = None
+        if not ready:
+            if start:
+                self._zygote, self._zygote_command = None, None
+            return None
+        return self._zygote
+
     def drop(self) -> None:
+        # A zygote still importing for a fill ends now, rather than be waited for.
+        self._generation += 1
+        importing = self._importing
+        if importing is not None:
+            importing.kill()
         self._wait_for_filling()
         with self._lock:
             self._drop_locked()
@@ -119,6 +176,11 @@ class SparePool:
         self._wait_for_filling()
         with self._lock:
             return [spare.pid for spare in self._spares if spare.waiting()]
+
+    def zygote_pid(self) -> int | None:
+        self._wait_for_filling()
+        with self._zygote_lock:
+            return self._zygote.pid if self._zygote is not None and self._zygote.alive() else None
 
     def _spare_command(self, rank_defaults: dict[str, str]) -> tuple[list[str], list[str]]:
         modules = [name for name in PRELOADABLE if name in sys.modules] + [m for m in self.preload if m not in PRELOADABLE]
@@ -140,6 +202,8 @@ class SparePool:
     def _drop_locked(self) -> None:
         spares, self._spares = self._spares, []
         self._started_with = None
+        with self._zygote_lock:
+            self._zygote, self._zygote_command = None, None
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
