@@ -150,6 +150,23 @@ def test_a_changed_environment_or_sys_path_replaces_the_spares(spares, monkeypat
     assert wait_gone(second, timeout=10) == []
 
 
+def test_files_written_beside_the_callers_code_keep_the_spares_and_a_package_installed_replaces_them(
+        spares, monkeypatch, tmp_path):
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(packages))
+    monkeypatch.syspath_prepend("")  # a notebook's working directory
+    fanrun.warmup(2, wait=True)
+    first = spares.pids()
+    (tmp_path / "plot.png").write_bytes(b"")  # its working directory's modification time changes
+    assert sorted(r["pid"] for r in describe.distributed(0)) == sorted(first)
+    second = spares.pids()
+    (packages / "newly_installed").mkdir()
+    assert not {r["pid"] for r in describe.distributed(0)} & set(second)
+    assert wait_gone(second, timeout=10) == []
+
+
 def test_a_spare_killed_while_it_waits_leaves_the_call_to_a_cold_rank(spares):
     fanrun.warmup(2)
     killed = spares.pids()[0]

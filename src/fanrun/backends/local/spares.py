@@ -273,14 +273,24 @@ def kept_pids() -> list[int]:
 
 def _starting_point() -> tuple:
     """What a spare's imports depend on. A package installed or removed changes its directory's
-    modification time."""
+    modification time. The caller's own directories (its working directory, its script's) are
+    left out: a notebook writes files there all the time, and spares never import from them."""
+    own = {os.path.abspath(entry) for entry in ("", _main_directory()) if entry is not None}
     stamps = []
     for entry in sys.path:
+        if os.path.abspath(entry) in own:
+            stamps.append("own")
+            continue
         try:
             stamps.append(os.stat(entry or ".").st_mtime_ns)
         except OSError:
             stamps.append(None)
     return sys.executable, tuple(sys.path), tuple(stamps), os.getcwd(), tuple(sorted(os.environ.items()))
+
+
+def _main_directory() -> str | None:
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.dirname(main_file) if main_file else None
 
 
 def warm(option: bool | None, world_size: int, repeatable: bool) -> bool:
