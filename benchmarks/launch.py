@@ -273,8 +273,9 @@ def started_processes(marker: bytes) -> dict[int, str]:
 
 def lasting_processes() -> set[int]:
     """Processes that live as long as this one by design, not leftovers of a measurement: fanrun's
-    tracking agent, started by the first tracked call and serving every later one; and the spare
-    ranks a warm call leaves for the next one and the ranks a kept call keeps, with their keepers."""
+    tracking agent, started by the first tracked call and serving every later one; the spare
+    ranks a warm call leaves for the next one and the ranks a kept call keeps, with their keepers;
+    and the zygote the spares are forked from."""
     lasting = set()
     agent_connection = sys.modules.get("fanrun._tracking.agent_connection")
     pid = agent_connection.agent_pid() if agent_connection is not None else None
@@ -284,6 +285,10 @@ def lasting_processes() -> set[int]:
         lasting.add(spare)
         with contextlib.suppress(OSError, IndexError, ValueError):
             lasting.add(int(Path(f"/proc/{spare}/stat").read_text().rsplit(")", 1)[1].split()[1]))
+    spares = sys.modules.get("fanrun.backends.local.spares")
+    zygote = spares.POOL.zygote_pid() if spares is not None else None
+    if zygote is not None:
+        lasting.add(zygote)
     return lasting
 
 
@@ -424,6 +429,9 @@ class Session:
 
     def clear_leftovers(self, label: str) -> None:
         """Waits for the measurement's processes to end; kills and reports any that do not."""
+        # Telling the pool's processes from leftovers waits for a fill still under way (a zygote
+        # importing, after a warm call): that wait is not a leftover's.
+        spare_pids()
         returned = time.monotonic()
         left = self.wait_for_exit()
         if not left:

@@ -92,6 +92,7 @@ def test_the_spares_of_a_loop_of_calls_are_forked_from_one_zygote(spares):
     # The first call settles what the spares import (mlflow where calls are tracked).
     fanrun.warmup(2, wait=True)
     lineage.distributed()
+    assert spares.wait_ready(60)
     zygote = spares.zygote_pid()
     assert zygote is not None
     for _ in range(3):
@@ -105,6 +106,7 @@ def test_the_spares_of_a_loop_of_calls_are_forked_from_one_zygote(spares):
 def test_spares_forked_from_a_zygote_outlive_it(spares, tmp_path):
     fanrun.warmup(2, wait=True)
     lineage.distributed()
+    assert spares.wait_ready(60)
     zygote, forked = spares.zygote_pid(), spares.pids()
     release = tmp_path / "release"
     killer = threading.Timer(0.5, lambda: (os.kill(zygote, signal.SIGKILL), wait_gone([zygote], timeout=10), release.touch()))
@@ -115,7 +117,8 @@ def test_spares_forked_from_a_zygote_outlive_it(spares, tmp_path):
     assert sorted(pid for pid, _ in ranks) == sorted(forked) and zygote not in {parent for _, parent in ranks}
     # The next call's spares come from a new zygote, or by exec while it imports.
     assert wait_gone([zygote], timeout=10) == []
-    assert len(lineage.distributed()) == 2 and spares.zygote_pid() not in (None, zygote)
+    assert len(lineage.distributed()) == 2 and spares.wait_ready(60)
+    assert spares.zygote_pid() not in (None, zygote)
 
 
 def test_a_caller_holding_threads_gets_warm_ranks_that_work(spares):

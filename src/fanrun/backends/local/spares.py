@@ -178,9 +178,9 @@ class SparePool:
             return [spare.pid for spare in self._spares if spare.waiting()]
 
     def zygote_pid(self) -> int | None:
-        self._wait_for_filling()
-        with self._zygote_lock:
-            return self._zygote.pid if self._zygote is not None and self._zygote.alive() else None
+        """The zygote's, while it lives, its imports done or not (without waiting for a fill)."""
+        zygote = self._zygote
+        return zygote.pid if zygote is not None and zygote.alive() else None
 
     def _spare_command(self, rank_defaults: dict[str, str]) -> tuple[list[str], list[str]]:
         modules = [name for name in PRELOADABLE if name in sys.modules] + [m for m in self.preload if m not in PRELOADABLE]
