@@ -131,8 +131,10 @@ def test_a_rank_killed_at_step_k_on_a_gpu_resumes_from_the_checkpoint_over_nccl(
 
 
 def break_cuda_then_wait(directory: str):
-    """On the first attempt rank 0 makes its CUDA context fail (a device-side assert, reported on
-    the next synchronisation) and waits; rank 1, which needs no GPU, then fails."""
+    """On the first attempt rank 0 makes its CUDA context fail (a device-side assert), swallows
+    the error, as code that retries a step might, and waits; rank 1, which needs no GPU, then
+    fails. Rank 0's function ends by the abandon signal, with no CUDA error of its own: only its
+    context shows the failure."""
     attempt = int(os.environ["FANRUN_RESTART_COUNT"])
     note_pid(directory, attempt)
     if attempt == 0 and os.environ["RANK"] == "0":
@@ -140,7 +142,11 @@ def break_cuda_then_wait(directory: str):
         import torch
 
         values = torch.zeros(1, device="cuda")
-        values[torch.tensor([10], device="cuda")] += 1  # out of bounds: the kernel asserts
+        try:
+            values[torch.tensor([10], device="cuda")] += 1  # out of bounds: the kernel asserts
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - swallowed on purpose: the context stays broken
+            pass
         open(os.path.join(directory, "broken"), "w").close()
         time.sleep(3600)  # until the abandon signal
     if attempt == 0:
