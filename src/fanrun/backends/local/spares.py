@@ -38,10 +38,10 @@ ZYGOTE_IMPORT_LIMIT_S = 600.0
 # FANRUN_WARM=1 makes every call warm unless its decorator says warm=False; 0 makes none warm.
 ENV_WARM = "FANRUN_WARM"
 # Where nothing else decides, a function's calls are warm on a machine with this many cores for
-# each rank: one call's ranks and the next call's spares then import beside each other without
-# slowing the call down. On the one-GPU host (16 cores) a warm call's replacements cost its
-# first call nothing measurable; on 2 cores and 2 ranks they cost a first call of 4.5 s 1.3 s
-# more (docs/warm.md, Calls in a loop), so there calls stay cold unless asked.
+# each rank: one call's ranks and the spares' zygote then import beside each other without
+# slowing the call down. On a one-GPU host (16 cores) starting the zygote costs a first call
+# nothing measurable; on 2 cores and 2 ranks it costs a first call of 1.0 s 0.4 s more
+# (docs/warm.md, Calls in a loop), so there calls stay cold unless asked.
 WARM_CORES_PER_RANK = 4
 
 
