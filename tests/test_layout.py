@@ -54,7 +54,7 @@ def test_the_rank_package_loads_with_torch_mlflow_and_cloudpickle_unimportable()
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["__init__", "abandon", "after_import", "call_store", "contract", "group_release", "keep",
                                    "metric_sender", "panel_feed", "progress", "result_file", "spare", "tracking",
-                                   "tracking_off", "worker"]
+                                   "tracking_off", "worker", "zygote"]
     loaded = modules_after("import fanrun._rank.worker, fanrun._rank.tracking, fanrun._rank.result_file")
     assert {m for m in loaded if m.split(".")[0] in ("torch", "mlflow", "cloudpickle", "numpy")} == set()
 
