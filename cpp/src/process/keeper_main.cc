@@ -162,9 +162,14 @@ int Keeper::RunAdopted(pid_t program) {
   Status st = Prepare();
   FileDescriptor pidfd(static_cast<int>(::syscall(SYS_pidfd_open, program, 0)));
   if (st.ok() && !pidfd.valid()) st = DescriptorError(errno, "fanrun-keeper: pidfd_open of the adopted program");
+  // Only its own child: a pid given by hand names a process this keeper must neither wait for
+  // nor kill.
+  siginfo_t info{};
+  if (st.ok() && ::waitid(P_PID, static_cast<id_t>(program), &info, WEXITED | WNOHANG | WNOWAIT) != 0) {
+    st = Status::Invalid("fanrun-keeper --adopt: pid ", program, " is not this keeper's child");
+  }
   if (!st.ok()) {
     Send(ReportKind::kStartFailed, static_cast<int32_t>(st.code()), 0, st.message());
-    if (program > 0) ::kill(program, SIGKILL);
     return 127;
   }
   program_.emplace(program, std::move(pidfd));

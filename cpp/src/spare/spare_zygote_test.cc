@@ -158,24 +158,33 @@ TEST_F(SpareZygoteTest, ForksOnlyOnceItsImportsAreDone) {
   EXPECT_NE(early.status().message().find("has not finished its imports"), std::string::npos);
 }
 
-TEST_F(SpareZygoteTest, AKeeperGivenNoLivingProgramSaysSo) {
-  // fanrun-keeper --adopt of a pid that is not its child: reported, not kept.
+// fanrun-keeper --adopt of a pid that is not its child (none, or this test's own process):
+// reported, neither kept nor killed.
+class AdoptedKeeperTest : public SpareZygoteTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(AdoptedKeeperTest, AKeeperGivenNoChildOfItsOwnSaysSoAndKillsNothing) {
+  const std::string pid = GetParam() ? std::to_string(::getpid()) : "0";
   int sockets[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sockets), 0);
   FileDescriptor ours(sockets[0]), theirs(sockets[1]);
   SpawnOptions spawn;
-  spawn.argv = {testing::KeeperPath(), "--adopt", "0"};
+  spawn.argv = {testing::KeeperPath(), "--adopt", pid};
   spawn.env = MinimalEnv();
   spawn.stdin_fd = theirs.fd();
   auto keeper = Spawn(spawn);
   ASSERT_TRUE(keeper.ok()) << keeper.status().message();
   ASSERT_TRUE(theirs.Close().ok());
   auto adopted = KeptProcess::Adopt(keeper->pid(), std::move(ours));
-  EXPECT_FALSE(adopted.ok());
+  ASSERT_FALSE(adopted.ok());
+  if (GetParam()) {
+    EXPECT_NE(adopted.status().message().find("is not this keeper's child"), std::string::npos);
+  }
   auto exit = keeper->Wait();
   ASSERT_TRUE(exit.ok());
   EXPECT_EQ(exit->exit_code, 127);
 }
+
+INSTANTIATE_TEST_SUITE_P(NoneOrAnother, AdoptedKeeperTest, ::testing::Bool());
 
 }  // namespace
 }  // namespace fanrun
