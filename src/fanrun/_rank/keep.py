@@ -244,10 +244,17 @@ def tidy() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # what the function no longer references is given back
-    # A fresh seed for each call, as a fresh process draws one.
+    fresh_seeds()  # for each call, as a fresh process draws one
+
+
+def fresh_seeds() -> None:
+    """New seeds for random's, numpy's and torch's global generators, drawn as a fresh process
+    draws them: a kept rank's next call, and a spare forked from the zygote, whose generators are
+    the zygote's, start from them."""
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+    torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()

@@ -11,7 +11,7 @@ Run by path from _rank/spare.py; the standard library alone."""
 from __future__ import annotations
 
 import os
-import random
+import runpy
 import signal
 import socket
 import sys
@@ -23,6 +23,8 @@ def serve_forks(contract: dict) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     channel = socket.socket(fileno=control_fd)
     word = contract["ZYGOTE_FORK"].encode()
+    # Loaded once here, shared by every fork.
+    fresh_seeds = runpy.run_path(os.path.join(os.path.dirname(__file__), "keep.py"))["fresh_seeds"]
     while True:
         data, fds, _, _ = socket.recv_fds(channel, 4096, 2)
         if not data:
@@ -34,7 +36,8 @@ def serve_forks(contract: dict) -> None:
         if pid == 0:
             channel.detach()
             _become_keeper_of_a_spare(keeper, keeper_channel, spare_channel, control_fd)
-            return  # in the spare alone
+            fresh_seeds()  # in the spare alone: its generators were the zygote's
+            return
         os.close(keeper_channel)
         os.close(spare_channel)
         channel.sendall(f"{pid}\n".encode())
@@ -50,7 +53,6 @@ def _become_keeper_of_a_spare(keeper: str, keeper_channel: int, spare_channel: i
             os.dup2(spare_channel, control_fd)
             os.close(spare_channel)
             os.close(keeper_channel)
-            _fresh_random_state()
             return
         os.dup2(keeper_channel, 0)
         os.close(keeper_channel)
@@ -60,14 +62,3 @@ def _become_keeper_of_a_spare(keeper: str, keeper_channel: int, spare_channel: i
     except BaseException:  # noqa: B036 - a failed fork ends here: the keeper's channel shows it
         os._exit(127)
 
-
-def _fresh_random_state() -> None:
-    """Draws differ across spares, as across processes started by exec, each seeded at its
-    start: the state of numpy's and torch's global generators is the zygote's after a fork."""
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.seed()
