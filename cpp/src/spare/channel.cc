@@ -1,6 +1,7 @@
 // Sending descriptors over a spare's or a zygote's control channel, and waiting for its lines.
 #include "spare/channel_internal.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -11,6 +12,19 @@
 #include <vector>
 
 namespace fanrun::spare {
+
+Result<QuietStart> PrepareQuietStart(SpawnOptions* options, const std::string& whose) {
+  int sockets[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sockets) != 0) {
+    return DescriptorError(errno, "Failed to create " + whose + " control channel");
+  }
+  QuietStart start{FileDescriptor(sockets[0]), FileDescriptor(sockets[1]), FileDescriptor()};
+  FANRUN_ASSIGN_OR_RETURN(start.null, OpenFile("/dev/null", O_WRONLY));
+  options->stdout_fd = start.null.fd();
+  options->stderr_fd = start.null.fd();
+  options->control_fd = start.theirs.fd();
+  return start;
+}
 
 Status SendWithDescriptors(int channel, std::string_view message, std::initializer_list<int> fds,
                            const std::string& who) {

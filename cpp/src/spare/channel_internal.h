@@ -5,9 +5,20 @@
 #include <string>
 #include <string_view>
 
+#include "fanrun/fd.h"
+#include "fanrun/process.h"
 #include "fanrun/status.h"
 
 namespace fanrun::spare {
+
+// How a spare or a zygote starts: its control channel a socket, and its output /dev/null (what
+// it prints while it imports is no call's). Set into the options it is spawned with, which
+// hold `theirs` and `null` until then; `ours` is the caller's end.
+struct QuietStart {
+  FileDescriptor ours, theirs, null;
+};
+// `whose`: "a spare rank's", named in the error.
+Result<QuietStart> PrepareQuietStart(SpawnOptions* options, const std::string& whose);
 
 // Sends `message` with `fds` attached to its first bytes (SCM_RIGHTS); the rest follows as a
 // stream. `who` names the other end in errors.

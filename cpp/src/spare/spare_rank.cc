@@ -1,9 +1,7 @@
 // Starting a spare rank, and handing it its call.
 #include "fanrun/spare_rank.h"
 
-#include <fcntl.h>
 #include <poll.h>
-#include <sys/socket.h>
 
 #include "fanrun/run_contract.h"
 #include "spare/channel_internal.h"
@@ -29,18 +27,9 @@ std::string CallBody(const SpawnOptions& call) {
 }  // namespace
 
 Result<SpareRank> SpareRank::Start(const std::string& keeper, SpawnOptions options) {
-  int sockets[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sockets) != 0) {
-    return DescriptorError(errno, "Failed to create a spare rank's control channel");
-  }
-  FileDescriptor ours(sockets[0]), theirs(sockets[1]);
-  FANRUN_ASSIGN_OR_RETURN(FileDescriptor null, OpenFile("/dev/null", O_WRONLY));
-  // What it prints while it imports is not any call's output.
-  options.stdout_fd = null.fd();
-  options.stderr_fd = null.fd();
-  options.control_fd = theirs.fd();
+  FANRUN_ASSIGN_OR_RETURN(spare::QuietStart start, spare::PrepareQuietStart(&options, "a spare rank's"));
   FANRUN_ASSIGN_OR_RETURN(KeptProcess process, KeptProcess::Start(keeper, options));
-  return SpareRank(std::move(process), std::move(ours));
+  return SpareRank(std::move(process), std::move(start.ours));
 }
 
 Result<SpareRank> SpareRank::Forked(KeptProcess process, FileDescriptor channel) {

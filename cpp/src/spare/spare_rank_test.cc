@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include "spare/spare_test_program_internal.h"
 #include "supervisor/supervisor_test_fixture_internal.h"
 
 namespace fanrun {
@@ -13,29 +14,14 @@ namespace {
 using testing::MinimalEnv;
 using testing::ProcessGoneWithin;
 
-// A spare as small as can be: it says it is ready after 0.3 s of "imports", takes its call off
-// descriptor 3 (run_contract.h), places the descriptors that came with it at 1 and 2, and
-// executes the call's argv.
+// A spare as small as can be: it says it is ready after 0.3 s of "imports", then takes its call
+// (spare_test_program_internal.h), given as its first argument.
 constexpr const char* kSpareProgram = R"(
-import os, socket, time
+import os, sys, time
 time.sleep(0.3)
 os.write(3, b"ready\n")
-channel = socket.socket(fileno=3)
-data, fds, _, _ = socket.recv_fds(channel, 65536, 2)
-head, _, body = data.partition(b"\n")
-assert head.startswith(b"call ")
-while len(body) < int(head[5:]):
-    body += channel.recv(65536)
-channel.detach()
-fields = body.split(b"\0")[:-1]
-count = int(fields[1])
-argv, env = fields[2:2 + count], fields[2 + count:]
-os.dup2(fds[0], 1)
-os.dup2(fds[1], 2)
-os.chdir(fields[0])
-os.execve(argv[0], argv, dict(entry.split(b"=", 1) for entry in env))
+exec(sys.argv[1], {})
 )";
-
 // A spare that keeps itself alive: for each call it writes its output, says "done", puts
 // /dev/null at 1 and 2, says "kept" and waits for the next call; the end of its channel ends it.
 // A call whose script is "fail" fails instead.
@@ -109,7 +95,7 @@ class SpareRankTest : public testing::SupervisorFixture {
  protected:
   static Result<SpareRank> StartSpare() {
     SpawnOptions spawn;
-    spawn.argv = {"python3", "-c", kSpareProgram};
+    spawn.argv = {"python3", "-c", kSpareProgram, testing::kTakeCallProgram};
     spawn.env = MinimalEnv();
     return SpareRank::Start(testing::KeeperPath(), spawn);
   }

@@ -1,7 +1,6 @@
 // Starting a spare zygote, and forking spares from it.
 #include "fanrun/spare_zygote.h"
 
-#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -14,20 +13,12 @@
 namespace fanrun {
 
 Result<SpareZygote> SpareZygote::Start(SpawnOptions options) {
-  int sockets[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sockets) != 0) {
-    return DescriptorError(errno, "Failed to create a spare zygote's control channel");
-  }
-  FileDescriptor ours(sockets[0]), theirs(sockets[1]);
-  FANRUN_ASSIGN_OR_RETURN(FileDescriptor null, OpenFile("/dev/null", O_WRONLY));
-  options.stdout_fd = null.fd();
-  options.stderr_fd = null.fd();
-  options.control_fd = theirs.fd();
+  FANRUN_ASSIGN_OR_RETURN(spare::QuietStart start, spare::PrepareQuietStart(&options, "a spare zygote's"));
   // Not the death of the thread that starts it (a pool's filling thread ends at once): the end
   // of its channel, which comes with the caller's, ends it (_rank/zygote.py).
   options.parent_death_signal = 0;
   FANRUN_ASSIGN_OR_RETURN(ChildProcess process, Spawn(options));
-  return SpareZygote(std::move(process), std::move(ours));
+  return SpareZygote(std::move(process), std::move(start.ours));
 }
 
 bool SpareZygote::alive() const {

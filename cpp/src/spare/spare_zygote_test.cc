@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "spare/spare_test_program_internal.h"
 #include "supervisor/supervisor_test_fixture_internal.h"
 
 namespace fanrun {
@@ -19,8 +20,8 @@ using testing::MinimalEnv;
 using testing::ProcessGoneWithin;
 
 // A zygote as small as can be: "imports" for 0.3 s, says it is ready, then forks for each
-// request as _rank/zygote.py does. The spare it forks takes its call off descriptor 3 and
-// executes the call's argv, as spare_rank_test.cc's spare does.
+// request as _rank/zygote.py does. The spare it forks takes its call
+// (spare_test_program_internal.h), given as the zygote's first argument.
 constexpr const char* kZygoteProgram = R"(
 import os, signal, socket, sys, time
 time.sleep(0.3)
@@ -43,20 +44,7 @@ while True:
     spare = os.fork()
     if spare == 0:
         os.dup2(fds[1], 3)
-        spare_channel = socket.socket(fileno=3)
-        data, call_fds, _, _ = socket.recv_fds(spare_channel, 65536, 2)
-        head, _, body = data.partition(b"\n")
-        while len(body) < int(head[5:]):
-            body += spare_channel.recv(65536)
-        spare_channel.detach()
-        fields = body.split(b"\0")[:-1]
-        count = int(fields[1])
-        argv, env = fields[2:2 + count], fields[2 + count:]
-        os.dup2(call_fds[0], 1)
-        os.dup2(call_fds[1], 2)
-        if fields[0]:
-            os.chdir(fields[0])
-        os.execve(argv[0], argv, dict(entry.split(b"=", 1) for entry in env))
+        exec(sys.argv[1], {})
     os.dup2(fds[0], 0)
     os.close(fds[0]); os.close(fds[1]); os.close(3)
     os.execv(keeper, [keeper, "--adopt", str(spare)])
@@ -64,11 +52,15 @@ while True:
 
 class SpareZygoteTest : public testing::SupervisorFixture {
  protected:
-  static SpareZygote StartZygote() {
+  static SpawnOptions ZygoteOptions() {
     SpawnOptions spawn;
-    spawn.argv = {"python3", "-c", kZygoteProgram};
+    spawn.argv = {"python3", "-c", kZygoteProgram, testing::kTakeCallProgram};
     spawn.env = MinimalEnv();
-    auto zygote = SpareZygote::Start(spawn);
+    return spawn;
+  }
+
+  static SpareZygote StartZygote() {
+    auto zygote = SpareZygote::Start(ZygoteOptions());
     EXPECT_TRUE(zygote.ok()) << zygote.status().message();
     auto ready = zygote->WaitReady(10);
     EXPECT_TRUE(ready.ok() && *ready);
@@ -148,10 +140,7 @@ TEST_F(SpareZygoteTest, ADroppedForkedSpareEndsWithItsKeeper) {
 }
 
 TEST_F(SpareZygoteTest, ForksOnlyOnceItsImportsAreDone) {
-  SpawnOptions spawn;
-  spawn.argv = {"python3", "-c", kZygoteProgram};
-  spawn.env = MinimalEnv();
-  auto zygote = SpareZygote::Start(spawn);
+  auto zygote = SpareZygote::Start(ZygoteOptions());
   ASSERT_TRUE(zygote.ok()) << zygote.status().message();
   auto early = zygote->Fork(testing::KeeperPath());
   ASSERT_FALSE(early.ok());
