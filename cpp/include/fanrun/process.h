@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,6 +37,9 @@ struct SpawnOptions {
 struct ExitStatus {
   int exit_code = -1;    // when the process exited
   int term_signal = 0;   // when a signal ended it
+  // When its end was seen: by its reaper, or for a kept program by its keeper, whose report may
+  // reach the owner much later.
+  std::chrono::steady_clock::time_point ended_at{};
   bool success() const { return term_signal == 0 && exit_code == 0; }
   // "exited with code 3", "was killed by SIGKILL".
   std::string Describe() const;

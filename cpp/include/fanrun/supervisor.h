@@ -105,7 +105,7 @@ class Supervisor {
   const std::string& log_path(int rank) const { return ranks_[static_cast<size_t>(rank)].log_path; }
   // The root cause: the first rank that reported a failure, ended badly, or (with
   // expect_done) exited without reporting "done"; or a rank killed by a signal that the
-  // supervisor did not send, within a second of that first failure; -1 if none.
+  // supervisor did not send, dead by then or within two seconds after; -1 if none.
   int first_failed_rank() const { return first_failed_rank_; }
   StopReason stop_reason() const { return stop_reason_; }
   // The ranks still running when the timeout struck.
@@ -168,7 +168,7 @@ class Supervisor {
   bool terminating_ = false;
   bool abandoning_ = false;  // the call is being abandoned: the ranks may say kControlKept without "done"
   std::optional<Clock::time_point> abandon_until_;  // then the ranks not kept yet are stopped
-  bool sigkill_sent_ = false;
+  std::optional<Clock::time_point> sigkill_sent_at_;
 };
 
 }  // namespace fanrun

@@ -130,7 +130,8 @@ class Keeper {
   bool ReapExited();
   void SignalDescendants(int signo);
   void KillEverything();
-  void Send(ReportKind kind, int32_t value, int32_t signal, const std::string& text = "");
+  void Send(ReportKind kind, int32_t value, int32_t signal, const std::string& text = "",
+            std::chrono::steady_clock::time_point ended_at = {});
   // Parent-death signals come as SIGHUP; a SIGHUP, SIGTERM or SIGINT from anyone else (a
   // scheduler signalling every process of a job) is the program's to handle, not the keeper's.
   bool OwnerGone() const { return owner_ != 0 && ::getppid() != owner_; }
@@ -206,7 +207,9 @@ int Keeper::Keep() {
     // and the kernel delivers the program's own parent-death SIGKILL.
     ::kill(::getpid(), SIGKILL);
   }
-  Send(ReportKind::kEnded, program_exit_->exit_code, program_exit_->term_signal);
+  // With when it ended: killing what it left can take long, and its owner tells a death that
+  // caused a peer's failure from one that followed it by that time, not by this report's.
+  Send(ReportKind::kEnded, program_exit_->exit_code, program_exit_->term_signal, "", program_exit_->ended_at);
   return 0;
 }
 
@@ -300,9 +303,14 @@ void Keeper::KillEverything() {
   }
 }
 
-void Keeper::Send(ReportKind kind, int32_t value, int32_t signal, const std::string& text) {
+void Keeper::Send(ReportKind kind, int32_t value, int32_t signal, const std::string& text,
+                  std::chrono::steady_clock::time_point ended_at) {
   char packet[kMaxPacket];
-  const Report report{kind, value, signal};
+  Report report{};
+  report.kind = kind;
+  report.value = value;
+  report.signal = signal;
+  report.ended_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(ended_at.time_since_epoch()).count();
   std::memcpy(packet, &report, sizeof(report));
   const size_t length = std::min(text.size(), sizeof(packet) - sizeof(report));
   std::memcpy(packet + sizeof(report), text.data(), length);

@@ -31,12 +31,16 @@ struct Command {
 enum class ReportKind : int32_t {
   kStarted = 1,  // value: the program's pid
   kStartFailed,  // value: a StatusCode; the message text follows in the same packet
-  kEnded,        // value: exit code, signal: the signal that ended it (0 if none)
+  kEnded,        // value: exit code, signal: the signal that ended it (0 if none), ended_ns: when
 };
 struct Report {
   ReportKind kind;
   int32_t value;
   int32_t signal;
+  int32_t unused;
+  // kEnded: when the keeper reaped the program, in nanoseconds of CLOCK_MONOTONIC (the owner's
+  // std::chrono::steady_clock).
+  int64_t ended_ns;
 };
 
 // The longest packet: a report and its message.

@@ -123,6 +123,7 @@ ExitStatus KeptProcess::ProgramExit(const ExitStatus& keeper_exit) const {
       ExitStatus exit;
       exit.exit_code = report.signal != 0 ? -1 : report.value;
       exit.term_signal = report.signal;
+      exit.ended_at = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(report.ended_ns));
       return exit;
     }
   }
@@ -143,6 +144,7 @@ Result<std::optional<ExitStatus>> KeptProcess::AdoptedEnd(int timeout_ms) {
   // Without a report, the keeper itself was killed, and the program with everything it started.
   ExitStatus killed;
   killed.term_signal = SIGKILL;
+  killed.ended_at = std::chrono::steady_clock::now();
   return std::optional<ExitStatus>(ProgramExit(killed));
 }
 

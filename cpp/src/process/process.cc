@@ -252,6 +252,7 @@ Result<std::optional<ExitStatus>> ChildProcess::Reap(int options) {
   if (got == 0) return std::optional<ExitStatus>();
   reaped_ = true;
   ExitStatus status;
+  status.ended_at = std::chrono::steady_clock::now();
   if (WIFSIGNALED(raw)) {
     status.term_signal = WTERMSIG(raw);
   } else {

@@ -27,10 +27,12 @@ constexpr double kLongestPeriodS = 365.0 * 24 * 3600;
 constexpr size_t kMostGatheredBytes = 1 << 20;
 // A rank killed by a signal (SIGKILL from the OOM killer, SIGSEGV) drops its connections, and
 // its peers' collectives fail with "connection reset" at once, often before the killed rank's
-// keeper has reported the death. A death by a signal the supervisor did not send, seen this soon
-// after the first failure, is the root cause instead. (On a loaded 2-core machine the report
-// came more than 1 s after a peer's, and once more than 3 s.)
-constexpr double kPeerFailureWindowS = 6.0;
+// keeper has reported the death: on a loaded 2-core machine the report came more than 1 s after
+// a peer's, and once after the grace period, when a SIGKILL of ours could be blamed for it. So
+// the death is judged by when its keeper saw it, not by when the report came: a death by a
+// signal the supervisor had not sent, seen by then or at most this long after the first failure,
+// is the root cause instead. (The margin is the keeper's own delay in waking to its SIGCHLD.)
+constexpr double kPeerFailureWindowS = 2.0;
 
 // What a descriptor that Wait() polls stands for, besides its rank.
 enum class Watched { kExit, kStdout, kStderr, kControl };
@@ -337,9 +339,10 @@ void Supervisor::Abandon(Clock::time_point now) {
 bool Supervisor::KilledFromOutsideJustAfterTheFirstFailure(const ExitStatus& exit) const {
   if (stop_reason_ != StopReason::kRankFailed || exit.term_signal == 0) return false;
   // SIGTERM is what the supervisor sends everyone, and SIGKILL once the grace period is over.
-  const bool sent_by_us = exit.term_signal == SIGTERM || (exit.term_signal == SIGKILL && sigkill_sent_) ||
+  const bool sent_by_us = exit.term_signal == SIGTERM ||
+                          (exit.term_signal == SIGKILL && sigkill_sent_at_ && exit.ended_at >= *sigkill_sent_at_) ||
                           (abandoning_ && exit.term_signal == options_.abandon_signal);
-  return !sent_by_us && Clock::now() - *first_failure_at_ <= Seconds(kPeerFailureWindowS);
+  return !sent_by_us && exit.ended_at - *first_failure_at_ <= Seconds(kPeerFailureWindowS);
 }
 
 void Supervisor::SignalRunning(int signo, bool with_descendants) {
@@ -385,7 +388,7 @@ void Supervisor::HandleDeadlines(Clock::time_point now, std::vector<Event>& even
   }
   if (kill_at_ && now >= *kill_at_) {
     kill_at_.reset();
-    sigkill_sent_ = true;
+    sigkill_sent_at_ = now;
     SignalRunning(SIGKILL, true);
   }
 }

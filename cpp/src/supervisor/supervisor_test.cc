@@ -70,9 +70,25 @@ TEST_F(SupervisorTest, ARankKilledFromOutsideJustAfterAPeersFailureIsTheRootCaus
   EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
 }
 
+TEST_F(SupervisorTest, ARankKilledFromOutsideWhoseDeathIsReadLateIsStillTheRootCause) {
+  // The supervisor reads rank 1's death only after its grace period is over and it has sent its
+  // own SIGKILL (a caller slow to pump, a keeper slow to report): the death came before that
+  // SIGKILL, so it is not the supervisor's, and it came just after rank 0's failure.
+  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 0.4; kill -KILL $$; sleep 100"});
+  options.kill_grace_s = 0.5;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  while ((*supervisor)->stop_reason() == StopReason::kNone) ASSERT_TRUE((*supervisor)->Wait().ok());
+  ASSERT_EQ((*supervisor)->first_failed_rank(), 0);
+  ::usleep(1500 * 1000);  // rank 1 dies meanwhile, and its report waits
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->exit_status(1)->term_signal, SIGKILL);
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 1);
+}
+
 TEST_F(SupervisorTest, ARankKilledFromOutsideLongAfterTheFirstFailureIsNotTheRootCause) {
-  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 6.7; kill -KILL $$; sleep 100"});
-  options.kill_grace_s = 8;
+  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 2.7; kill -KILL $$; sleep 100"});
+  options.kill_grace_s = 4;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
   RunToEnd(**supervisor);
