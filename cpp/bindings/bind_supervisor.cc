@@ -119,7 +119,8 @@ void BindSupervisorOptions(nb::module_& m) {
           "__init__",
           [](SupervisorOptions* self, std::vector<RankOptions> ranks, std::string keeper_path, double timeout_s,
              double kill_grace_s, int stack_dump_signal, double stack_dump_wait_s, int wakeup_fd, bool control_channel,
-             bool expect_done, size_t max_line_bytes, double show_held_after_s, int abandon_signal) {
+             bool expect_done, size_t max_line_bytes, double show_held_after_s, int abandon_signal,
+             double failure_evidence_s) {
             SupervisorOptions* options = new (self) SupervisorOptions();
             options->ranks = std::move(ranks);
             options->keeper_path = std::move(keeper_path);
@@ -133,13 +134,15 @@ void BindSupervisorOptions(nb::module_& m) {
             options->max_line_bytes = max_line_bytes;
             options->show_held_after_s = show_held_after_s;
             options->abandon_signal = abandon_signal;
+            options->failure_evidence_s = failure_evidence_s;
           },
           nb::kw_only(), nb::arg("ranks"), nb::arg("keeper_path"), nb::arg("timeout_s") = defaults.timeout_s,
           nb::arg("kill_grace_s") = defaults.kill_grace_s, nb::arg("stack_dump_signal") = defaults.stack_dump_signal,
           nb::arg("stack_dump_wait_s") = defaults.stack_dump_wait_s, nb::arg("wakeup_fd") = defaults.wakeup_fd,
           nb::arg("control_channel") = defaults.control_channel, nb::arg("expect_done") = defaults.expect_done,
           nb::arg("max_line_bytes") = defaults.max_line_bytes,
-          nb::arg("show_held_after_s") = defaults.show_held_after_s, nb::arg("abandon_signal") = defaults.abandon_signal)
+          nb::arg("show_held_after_s") = defaults.show_held_after_s, nb::arg("abandon_signal") = defaults.abandon_signal,
+          nb::arg("failure_evidence_s") = defaults.failure_evidence_s)
       .def_rw("ranks", &SupervisorOptions::ranks, "One RankOptions per rank, in rank order (read and set whole).")
       .def_rw("keeper_path", &SupervisorOptions::keeper_path,
               "The fanrun-keeper executable, which ends every process a rank started when the rank ends.")
@@ -160,7 +163,10 @@ void BindSupervisorOptions(nb::module_& m) {
               "Output held for the rest of its line is shown once held this long.")
       .def_rw("abandon_signal", &SupervisorOptions::abandon_signal,
               "After a rank's failure, sent to the other ranks that were spares instead of SIGTERM: they\n"
-              "abandon the call and survive for the next attempt (release_survivors); 0: none.");
+              "abandon the call and survive for the next attempt (release_survivors); 0: none.")
+      .def_rw("failure_evidence_s", &SupervisorOptions::failure_evidence_s,
+              "After the first failure, how long the ranks still running are left as they are for the caller\n"
+              "to ask them what they were doing (end_failure_evidence ends it sooner); 0: stopped at once.");
 }
 
 void BindEvent(nb::module_& m) {
@@ -256,6 +262,11 @@ void BindSupervisor(nb::module_& m) {
            "(events, interrupted, done). With max_wait_s >= 0 it returns after that long at the latest, even\n"
            "with no events. Output is gathered for gather_s after its first piece, any other event reported at once.")
       .def("cancel", &Supervisor::Cancel)
+      .def_prop_ro("gathering_failure_evidence", &Supervisor::gathering_failure_evidence,
+                   "The first failure has come, and the ranks still running are left as they are\n"
+                   "(failure_evidence_s) for the caller to ask them what they were doing.")
+      .def("end_failure_evidence", &Supervisor::EndFailureEvidence,
+           "Stops the ranks after the first failure now, as failure_evidence_s would once it is over.")
       .def(
           "release_kept",
           [](Supervisor& s) {

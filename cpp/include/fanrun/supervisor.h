@@ -52,6 +52,11 @@ struct SupervisorOptions {
   // on) and says kControlKept; ReleaseSurvivors() then hands it to the next attempt. A rank that
   // has not said so within kill_grace_s is stopped as usual. 0: every rank is stopped.
   int abandon_signal = 0;
+  // After the first failure, the ranks still running are left as they are for at most this
+  // long, so that the caller can ask them what they were doing (a peer waiting in a collective
+  // for the failed rank) before they are stopped; EndFailureEvidence() ends it sooner. 0: they
+  // are stopped at once.
+  double failure_evidence_s = 0;
 };
 
 struct Event {
@@ -87,6 +92,11 @@ class Supervisor {
   Result<WaitResult> Wait(double max_wait_s = -1, double gather_s = 0);
   // Stops every rank: SIGTERM now, SIGKILL after the grace period. Idempotent.
   void Cancel();
+  // Whether the first failure has come and the ranks still running are left as they are, for
+  // the caller to ask them what they were doing (failure_evidence_s).
+  bool gathering_failure_evidence() const { return evidence_until_.has_value(); }
+  // Stops the ranks after the first failure now, as failure_evidence_s would once it is over.
+  void EndFailureEvidence();
   // Kills every rank still running, and every kept rank not released, with every process it
   // started, and reaps it, at once.
   void KillAndReap();
@@ -150,6 +160,7 @@ class Supervisor {
   void OnExit(size_t rank, std::vector<Event>& events);
   void OnKept(size_t rank, std::vector<Event>& events);
   void OnFailure(size_t rank);
+  void StopAfterFailure(Clock::time_point now);
   bool KilledFromOutsideJustAfterTheFirstFailure(const ExitStatus& exit) const;
   void HandleDeadlines(Clock::time_point now, std::vector<Event>& events);
   void ShowHeldOutput(Clock::time_point now, std::vector<Event>& events);
@@ -168,6 +179,7 @@ class Supervisor {
   bool terminating_ = false;
   bool abandoning_ = false;  // the call is being abandoned: the ranks may say kControlKept without "done"
   std::optional<Clock::time_point> abandon_until_;  // then the ranks not kept yet are stopped
+  std::optional<Clock::time_point> evidence_until_;  // then the ranks are stopped after the first failure
   std::optional<Clock::time_point> sigkill_sent_at_;
 };
 

@@ -56,12 +56,14 @@ Result<std::unique_ptr<Supervisor>> Supervisor::Start(SupervisorOptions options,
     return Status::Invalid("Spare ranks are handed their calls over the control channel");
   }
   for (double seconds :
-       {options.timeout_s, options.kill_grace_s, options.stack_dump_wait_s, options.show_held_after_s}) {
+       {options.timeout_s, options.kill_grace_s, options.stack_dump_wait_s, options.show_held_after_s,
+        options.failure_evidence_s}) {
     if (!std::isfinite(seconds) || seconds > kLongestPeriodS) {
       return Status::Invalid("Timeouts and grace periods must be finite and under a year, not ", seconds);
     }
   }
-  if (options.kill_grace_s < 0 || options.stack_dump_wait_s < 0 || options.show_held_after_s < 0) {
+  if (options.kill_grace_s < 0 || options.stack_dump_wait_s < 0 || options.show_held_after_s < 0 ||
+      options.failure_evidence_s < 0) {
     return Status::Invalid("Grace periods cannot be negative");
   }
   if (options.max_line_bytes == 0) return Status::Invalid("max_line_bytes must be positive");
@@ -317,10 +319,27 @@ void Supervisor::OnFailure(size_t rank) {
   first_failed_rank_ = static_cast<int>(rank);
   first_failure_at_ = Clock::now();
   stop_reason_ = StopReason::kRankFailed;
-  if (options_.abandon_signal != 0) {
-    Abandon(*first_failure_at_);
+  const bool others_run = std::any_of(ranks_.begin(), ranks_.end(), [&](const Rank& other) {
+    return &other != &ranks_[rank] && other.process && !other.exit;
+  });
+  if (options_.failure_evidence_s > 0 && others_run) {
+    evidence_until_ = *first_failure_at_ + Seconds(options_.failure_evidence_s);
   } else {
-    Terminate(*first_failure_at_);
+    StopAfterFailure(*first_failure_at_);
+  }
+}
+
+void Supervisor::EndFailureEvidence() {
+  if (!evidence_until_) return;
+  evidence_until_.reset();
+  StopAfterFailure(Clock::now());
+}
+
+void Supervisor::StopAfterFailure(Clock::time_point now) {
+  if (options_.abandon_signal != 0) {
+    Abandon(now);
+  } else {
+    Terminate(now);
   }
 }
 
@@ -363,6 +382,7 @@ void Supervisor::Terminate(Clock::time_point now) {
 
 void Supervisor::Cancel() {
   if (stop_reason_ == StopReason::kNone) stop_reason_ = StopReason::kCancelled;
+  evidence_until_.reset();
   Terminate(Clock::now());
 }
 
@@ -382,6 +402,10 @@ void Supervisor::HandleDeadlines(Clock::time_point now, std::vector<Event>& even
     }
   }
   if (dump_done_at_ && now >= *dump_done_at_) Terminate(now);
+  if (evidence_until_ && now >= *evidence_until_) {
+    evidence_until_.reset();
+    StopAfterFailure(now);
+  }
   if (abandon_until_ && now >= *abandon_until_) {  // the ranks not kept by now are stopped
     abandon_until_.reset();
     Terminate(now);
@@ -402,7 +426,9 @@ int Supervisor::MillisecondsToNextDeadline(Clock::time_point now, std::optional<
   auto consider = [&next](const std::optional<Clock::time_point>& deadline) {
     if (deadline && (!next || *deadline < *next)) next = deadline;
   };
-  for (const auto& deadline : {timeout_at_, dump_done_at_, kill_at_, abandon_until_, return_at}) consider(deadline);
+  for (const auto& deadline : {timeout_at_, dump_done_at_, kill_at_, abandon_until_, evidence_until_, return_at}) {
+    consider(deadline);
+  }
   for (const auto& rank : ranks_) {
     if (rank.exit) continue;
     consider(rank.out->show_held_at);

@@ -21,6 +21,11 @@ using testing::ShellCommand;
 
 using SupervisorTest = testing::SupervisorFixture;
 
+// Pumps until the first failure has come: the caller's turn to ask the others.
+void WaitForTheFirstFailure(Supervisor& supervisor) {
+  while (supervisor.stop_reason() == StopReason::kNone) ASSERT_TRUE(supervisor.Wait().ok());
+}
+
 TEST_F(SupervisorTest, EveryRankRunsAndItsOutputArrivesLabelledAndLogged) {
   auto supervisor = Supervisor::Start(Options({"echo out$RANK; echo err$RANK >&2", "echo out$RANK; echo err$RANK >&2"}));
   ASSERT_TRUE(supervisor.ok()) << supervisor.status().message();
@@ -78,7 +83,7 @@ TEST_F(SupervisorTest, ARankKilledFromOutsideWhoseDeathIsReadLateIsStillTheRootC
   options.kill_grace_s = 0.5;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
-  while ((*supervisor)->stop_reason() == StopReason::kNone) ASSERT_TRUE((*supervisor)->Wait().ok());
+  WaitForTheFirstFailure(**supervisor);
   ASSERT_EQ((*supervisor)->first_failed_rank(), 0);
   ::usleep(1500 * 1000);  // rank 1 dies meanwhile, and its report waits
   RunToEnd(**supervisor);
@@ -94,6 +99,64 @@ TEST_F(SupervisorTest, ARankKilledFromOutsideLongAfterTheFirstFailureIsNotTheRoo
   RunToEnd(**supervisor);
   EXPECT_EQ((*supervisor)->exit_status(1)->term_signal, SIGKILL);
   EXPECT_EQ((*supervisor)->first_failed_rank(), 0);
+}
+
+TEST_F(SupervisorTest, AfterTheFirstFailureTheOthersAreLeftRunningUntilTheEvidenceIsIn) {
+  auto options = Options({"sleep 0.2; exit 1", "exec sleep 100"});
+  options.failure_evidence_s = 30;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  WaitForTheFirstFailure(**supervisor);
+  EXPECT_TRUE((*supervisor)->gathering_failure_evidence());
+  // Nothing stops rank 1 meanwhile: a wait reports nothing of it.
+  auto quiet = (*supervisor)->Wait(0.5);
+  ASSERT_TRUE(quiet.ok());
+  for (const Event& event : quiet->events) EXPECT_NE(event.rank, 1);
+  EXPECT_FALSE((*supervisor)->exit_status(1).has_value());
+  const auto ended_at = std::chrono::steady_clock::now();
+  (*supervisor)->EndFailureEvidence();
+  EXPECT_FALSE((*supervisor)->gathering_failure_evidence());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->exit_status(1)->term_signal, SIGTERM);
+  EXPECT_LT(std::chrono::steady_clock::now() - ended_at, std::chrono::seconds(2));  // at once, not after 30 s
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 0);
+}
+
+TEST_F(SupervisorTest, TheOthersAreStoppedWhenTheEvidenceTimeIsOverWhateverTheCallerDoes) {
+  auto options = Options({"sleep 0.2; exit 1", "exec sleep 100"});
+  options.failure_evidence_s = 0.4;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  WaitForTheFirstFailure(**supervisor);
+  const auto failed_at = std::chrono::steady_clock::now();
+  RunToEnd(**supervisor);
+  const auto took = std::chrono::steady_clock::now() - failed_at;
+  EXPECT_EQ((*supervisor)->exit_status(1)->term_signal, SIGTERM);
+  EXPECT_GE(took, std::chrono::milliseconds(350));
+  EXPECT_LT(took, std::chrono::seconds(3));
+}
+
+TEST_F(SupervisorTest, WithNoOtherRankRunningThereIsNoEvidenceToWaitFor) {
+  auto options = Options({"sleep 0.2; exit 1", "exit 0"});
+  options.failure_evidence_s = 30;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  RunToEnd(**supervisor);  // would take 30 s if it waited
+  EXPECT_FALSE((*supervisor)->gathering_failure_evidence());
+  EXPECT_EQ((*supervisor)->first_failed_rank(), 0);
+}
+
+TEST_F(SupervisorTest, CancelDuringTheEvidenceTimeStopsEveryRank) {
+  auto options = Options({"sleep 0.2; exit 1", "exec sleep 100"});
+  options.failure_evidence_s = 30;
+  auto supervisor = Supervisor::Start(options);
+  ASSERT_TRUE(supervisor.ok());
+  WaitForTheFirstFailure(**supervisor);
+  (*supervisor)->Cancel();
+  EXPECT_FALSE((*supervisor)->gathering_failure_evidence());
+  RunToEnd(**supervisor);
+  EXPECT_EQ((*supervisor)->exit_status(1)->term_signal, SIGTERM);
+  EXPECT_EQ((*supervisor)->stop_reason(), StopReason::kRankFailed);
 }
 
 TEST_F(SupervisorTest, ControlChannelReportsAFailureBeforeTheRankExits) {
@@ -371,6 +434,9 @@ TEST_F(SupervisorTest, InvalidOptionsAreRejected) {
   EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
   options = Options({"true"});
   options.show_held_after_s = -1;
+  EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
+  options = Options({"true"});
+  options.failure_evidence_s = -1;
   EXPECT_EQ(Supervisor::Start(options).status().code(), StatusCode::kInvalid);
   options = Options({"true"});
   options.control_channel = false;

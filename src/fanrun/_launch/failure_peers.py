@@ -1,32 +1,52 @@
-"""What the peers of a failed rank were doing when it failed, from their progress records
-(_rank/progress.py): a peer waiting in a collective was waiting for the failed rank, and its own
-error ("Connection reset by peer") is a consequence, not the cause."""
+"""What the peers of a failed rank were doing when it failed: a peer waiting in a collective was
+waiting for the failed rank, and its own error ("Connection reset by peer") is a consequence, not
+the cause. Read from their progress records (_rank/progress.py), which see the collectives that
+Python calls, and else from what their flight recorders held when the failure came
+(rank_evidence.collectives_now): DDP's gradient all-reduces are no Python call."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from .._rank import contract
+from ..backends import rank_evidence
 from .stall_report import RankProgress
 
 
-def note(failed_rank: int, world_size: int, directory: Path) -> str | None:
-    """One sentence naming the peers that waited in a collective or for data; None where none did."""
+def note(failed_rank: int, world_size: int, directory: Path, since: float | None = None) -> str | None:
+    """One sentence naming the peers that waited in a collective or for data; None where none did.
+    `since`: when the peers still running were asked for their collectives; None where they were not."""
     waiting: dict[str, list[int]] = {}
     for rank in range(world_size):
         if rank == failed_rank:
             continue
         progress = RankProgress.read(directory / contract.progress_name(rank), rank)
-        if progress is None:
-            continue
-        if progress.state == "collective":
+        if progress is not None and progress.state == "collective":
             waiting.setdefault(f"in {progress.op} #{progress.collectives}", []).append(rank)
-        elif progress.state == "data":
+        elif progress is not None and progress.state == "data":
             waiting.setdefault("in DataLoader.__next__", []).append(rank)
+        elif since is not None and (where := _recorded_wait(directory / contract.forensics_collectives_name(rank), since)):
+            waiting.setdefault(where, []).append(rank)
     if not waiting:
         return None
     parts = [f"{_ranks(ranks)} {'was' if len(ranks) == 1 else 'were'} waiting {where}" for where, ranks in waiting.items()]
     return f"fanrun: when rank {failed_rank} failed, {_join(parts)}: their errors follow from its failure."
+
+
+def _recorded_wait(path: Path, since: float) -> str | None:
+    """`in all_reduce #57`: the newest collective a rank's flight recorder held unfinished (not
+    retired) when it answered at `since` or later; None where it held none, or gave no such answer."""
+    answer = rank_evidence.collectives(path)
+    if answer is None or answer[0] < since - 1e-3:
+        return None
+    pending = [entry for entry in answer[1] if entry.get("retired") is False and isinstance(entry.get("op"), str)
+               and isinstance(entry.get("seq"), int)]
+    if not pending:
+        return None
+    entry = pending[-1]
+    group = str(entry.get("group"))
+    label = f"#{entry['seq']}" if group in ("default_pg", "None", "0") else f"#{entry['seq']} of group {group}"
+    return f"in {entry['op'].split(':')[-1]} {label}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -386,8 +386,9 @@ def _every_stack(frames: dict, main: int | None) -> str:
 
 
 def _flight_recorder(last: int | None = EVIDENCE_COLLECTIVES) -> list[dict] | None:
-    """The `last` collectives torch's flight recorder holds (seq, op, state, when created; None:
-    all it holds); None where torch is not imported or keeps no record (TORCH_FR_BUFFER_SIZE unset or 0)."""
+    """The `last` collectives torch's flight recorder holds (seq, op, state, when created, whether
+    retired: done, even where the state says nothing of it, as gloo's "scheduled" does; None: all it
+    holds); None where torch is not imported or keeps no record (TORCH_FR_BUFFER_SIZE unset or 0)."""
     c10d = sys.modules.get("torch._C._distributed_c10d")
     dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
     if dump is None:
@@ -397,5 +398,6 @@ def _flight_recorder(last: int | None = EVIDENCE_COLLECTIVES) -> list[dict] | No
     except Exception:
         return None
     return [{"seq": entry.get("collective_seq_id"), "op": entry.get("profiling_name"), "state": entry.get("state"),
-             "created_ns": entry.get("time_created_ns"), "group": (entry.get("process_group") or [None])[0]}
+             "created_ns": entry.get("time_created_ns"), "group": (entry.get("process_group") or [None])[0],
+             "retired": entry.get("retired")}
             for entry in entries[-last if last is not None else 0:]]

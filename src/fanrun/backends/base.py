@@ -16,6 +16,10 @@ KILL_GRACE_S = 5.0
 # How long ranks get to write their stacks at a timeout before they are stopped.
 STACK_DUMP_WAIT_S = 1.0
 
+# After the first failure, how long the other ranks get to say what they were doing (their flight
+# recorder's collectives) before they are stopped; one that answers at all does so in milliseconds.
+FAILURE_EVIDENCE_S = 1.0
+
 
 # What a backend's ranks report, whichever backend: the engine's own events (its kind, rank,
 # stream, segment, data, exit_code and signal), ranks numbered among the whole run's.
@@ -34,6 +38,9 @@ class Ranks(Protocol):
     # On a cluster, by node: its GPUs' verdicts from the health gate its agent ran before any rank
     # started ({"index", "uuid", "name", "problems"}, none where healthy); empty elsewhere.
     gpu_verdicts: dict[int, list[dict]]
+    # When the ranks still running at the first failure were asked for their collectives
+    # (time.time()), before they were stopped; None where they were not.
+    failure_evidence_since: float | None
 
     def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0) -> tuple[list[Event], bool, bool]:
         """(events, interrupted, done): waits at most max_wait_s (no limit below 0). Output may be

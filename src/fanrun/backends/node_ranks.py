@@ -93,6 +93,7 @@ class NodeRanks:
         self._evidence: dict[int, dict] = {}  # node -> its ranks' answers, once asked
         # node -> its GPUs' verdicts from the health gate its agent ran before the ranks started
         self.gpu_verdicts: dict[int, list[dict]] = {}
+        self.failure_evidence_since: float | None = None  # a node's ranks are stopped at once by their agent
         # Events taken while a stall's evidence was awaited, which the next wait() hands on.
         self._held_events: list = []
 

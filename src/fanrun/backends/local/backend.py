@@ -17,7 +17,7 @@ from .survivors import Survivors
 from ..._rank import contract
 from ..._rank.contract import ABANDON_SIGNAL, STACK_DUMP_SIGNAL
 from .. import rank_evidence, stack_dump
-from ..base import KILL_GRACE_S, STACK_DUMP_WAIT_S, Launch
+from ..base import FAILURE_EVIDENCE_S, KILL_GRACE_S, STACK_DUMP_WAIT_S, Launch
 from ..rank_env import RANK_DEFAULTS, NodeLayout, flatten, rank_environment
 
 # Each rank runs under a keeper of its own, which ends every process the rank started when the
@@ -58,6 +58,8 @@ class LocalBackend:
                 wakeup_fd=launch.wakeup_fd,
                 expect_done=launch.expect_done,
                 abandon_signal=int(ABANDON_SIGNAL) if survive else 0,
+                # Ranks that answer forensics say what they were doing when the first failure came.
+                failure_evidence_s=FAILURE_EVIDENCE_S if launch.env.get(contract.ENV_PROGRESS) == "1" else 0.0,
             )
             rendezvous.release_port_for_ranks()
             warm = launch.warm and launch.program.python
@@ -126,9 +128,18 @@ class LocalRanks:
         self.world_size = supervisor.world_size
         self.failure = None  # every end of a local run is a rank's
         self.gpu_verdicts: dict[int, list[dict]] = {}  # the call path's gate judged this machine's GPUs
+        self.failure_evidence_since: float | None = None
 
     def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0):
-        return self._supervisor.wait(max_wait_s, gather_s)
+        news = self._supervisor.wait(max_wait_s, gather_s)
+        if self._supervisor.gathering_failure_evidence:
+            # The first failure has come and the others still run as they were: each says where
+            # it waits (failure_peers.py reads it) before they are stopped.
+            failed = self._supervisor.first_failed_rank
+            running = [rank for rank in range(self.world_size) if rank != failed and self.exit_status(rank) is None]
+            self.failure_evidence_since = rank_evidence.collectives_now(self._directory, running, FAILURE_EVIDENCE_S)
+            self._supervisor.end_failure_evidence()
+        return news
 
     def cancel(self) -> None:
         self._supervisor.cancel()
