@@ -3,9 +3,12 @@ in a collective fails because of the first rank, and the caller is told so."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import fanrun
+from fanrun.backends.base import FAILURE_EVIDENCE_S
 
 
 def _train(how: str):
@@ -80,6 +83,31 @@ def test_a_peer_waiting_in_a_ddp_all_reduce_is_named_from_its_flight_recorder(tm
     notes = getattr(error.value, "__notes__", [])
     assert f"fanrun: when rank 1 failed, rank 0 was waiting in all_reduce #{seq}: their errors follow from its failure." \
         in notes, notes
+
+
+def _fail_beside_a_held_gil():
+    import ctypes
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        time.sleep(2.0)  # rank 0 is in its read by then
+        raise ValueError("bad batch")
+    # A read of a pipe that nobody writes, through PyDLL, which keeps the GIL: rank 0's
+    # forensics thread can never answer.
+    read_end, _write_end = os.pipe()
+    ctypes.PyDLL(None).read(read_end, ctypes.create_string_buffer(1), 1)
+
+
+def test_a_peer_that_cannot_answer_holds_the_failure_up_for_one_second_at_most():
+    call = fanrun.distributed(num_accelerators=2, accelerator_type="CPU", tracking=False,
+                              display="quiet")(_fail_beside_a_held_gil)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="bad batch") as error:
+        call.distributed()
+    # rank 1's sleep, the second rank 0 gets to answer, and the starts and stops of a 2-core machine
+    assert time.monotonic() - started < 2.0 + FAILURE_EVIDENCE_S + 3.0
+    assert not any("when rank 1 failed" in note for note in getattr(error.value, "__notes__", []))
 
 
 def test_a_call_without_the_watch_adds_no_note():
