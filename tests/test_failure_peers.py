@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from failure_plants import check_ddp_note, ddp_until_rank_1_raises
+
 import fanrun
 from fanrun.backends.base import FAILURE_EVIDENCE_S
 
@@ -42,47 +44,13 @@ def test_a_killed_or_raising_rank_is_the_cause_and_its_waiting_peer_is_named(how
         in notes, notes
 
 
-def _train_ddp(out_dir: str):
-    import json
-    import os
-    import time
-
-    import torch
-    import torch.distributed as dist
-    from torch._C import _distributed_c10d as c10d
-    from torch.nn.parallel import DistributedDataParallel
-
-    dist.init_process_group("gloo")
-    model = DistributedDataParallel(torch.nn.Linear(4, 1))
-    said = os.path.join(out_dir, "next_seq")
-    for step in range(20):
-        loss = model(torch.ones(8, 4)).sum()
-        if step == 5:
-            if dist.get_rank() == 1:
-                # Once rank 0 is in its backward, whose all-reduce of a tiny model starts at once.
-                while not os.path.exists(said):
-                    time.sleep(0.01)
-                time.sleep(1.0)
-                raise ValueError("bad batch")
-            # The all-reduce that rank 0's backward starts now is the next one of its recorder.
-            entries = json.loads(c10d._dump_fr_trace_json(includeCollectives=True))["entries"]
-            with open(said + ".tmp", "w") as file:
-                file.write(str(entries[-1]["collective_seq_id"] + 1))
-            os.replace(said + ".tmp", said)
-        loss.backward()
-    return dist.get_rank()
-
-
 def test_a_peer_waiting_in_a_ddp_all_reduce_is_named_from_its_flight_recorder(tmp_path):
     """Rank 0 waits in the gradient all-reduce of its backward, which no Python call of
     torch.distributed shows, when rank 1 raises before its own: its flight recorder says so."""
-    call = fanrun.distributed(num_accelerators=2, accelerator_type="CPU", tracking=False, display="quiet")(_train_ddp)
+    call = fanrun.distributed(num_accelerators=2, accelerator_type="CPU", tracking=False, display="quiet")(ddp_until_rank_1_raises)
     with pytest.raises(ValueError, match="bad batch") as error:
         call.distributed(str(tmp_path))
-    seq = (tmp_path / "next_seq").read_text()
-    notes = getattr(error.value, "__notes__", [])
-    assert f"fanrun: when rank 1 failed, rank 0 was waiting in all_reduce #{seq}: their errors follow from its failure." \
-        in notes, notes
+    check_ddp_note(error.value, tmp_path)
 
 
 def _fail_beside_a_held_gil():

@@ -5,7 +5,7 @@ logs followed, as its files change (records.py, rank_logs.py)."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import select
 
@@ -18,12 +18,19 @@ _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The process's own symbols, libc's among them, looked up once: find_library("c") runs
+    ldconfig, milliseconds that a failure's evidence would wait for (rank_evidence.collectives_now)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 class FileChanges:
     """Wakes when one of `paths` is written, or a file in one of `directories` is written, made
     or renamed into place; more can be watched later (watch())."""
 
     def __init__(self, paths: list[str], directories: list[str] = ()) -> None:
-        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self._libc = _libc()
         self._fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if self._fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1 failed")

@@ -18,6 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 import fanrun
+from failure_plants import check_ddp_note, ddp_until_rank_1_raises
 from cluster_stalls import CALL_TIMEOUT_S, STALL_TIMEOUT_S, Reports, Stopped, check_report, train_with_a_slow_loader
 from processes import wait_gone
 from rank_functions import log_where_node_1_cannot_see_the_store, on_two_nodes, save_where_node_1_sees_other_files
@@ -127,6 +128,15 @@ def test_a_rank_killed_on_node_1_is_the_root_cause_not_its_peers_broken_collecti
         all_reduce_until_rank_2_is_killed.distributed()
     assert info.value.rank == 2 and info.value.signal_name == "SIGKILL", str(info.value)
     assert str(info.value).startswith("Rank 2 of 4 (pid"), str(info.value)
+
+
+def test_a_peer_on_node_0_says_from_its_flight_recorder_where_it_waited_for_node_1s_failure(cluster, tmp_path):
+    """Rank 1 raises on node 1 while rank 0 waits in DDP's gradient all-reduce on node 0: node 0's
+    agent asks rank 0 before it stops it, and the caller's note names where it waited."""
+    call = fanrun.distributed(num_accelerators=2, nodes=2, accelerator_type="CPU")(ddp_until_rank_1_raises)
+    with pytest.raises(ValueError, match="bad batch") as info:
+        call.distributed(str(tmp_path))
+    check_ddp_note(info.value, tmp_path)
 
 
 @fanrun.distributed(num_accelerators=6, nodes=3, accelerator_type="CPU")

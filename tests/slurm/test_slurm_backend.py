@@ -19,6 +19,7 @@ import pytest
 
 from cluster_stalls import (STALL_TIMEOUT_S, Reports, Stopped, check_report, check_straggler, ddp_with_a_slow_rank,
                             train_with_a_slow_loader)
+from failure_plants import check_ddp_note, ddp_until_rank_1_raises
 import recorded_nvml
 from slurm_conf import FIRST_NODE_ADDRESS
 from fanrun import GpuHealthError, NodeEnvironmentError, RunTimeoutError, distributed
@@ -79,6 +80,15 @@ def test_a_rank_on_node_2_raising_reaches_the_caller_with_its_type_and_every_nod
     with pytest.raises(KeyError, match="rank 3 has no such key"):
         distributed(num_accelerators=4, nodes=2, backend="slurm", accelerator_type="CPU")(fail_on_node_2).distributed()
     assert time.monotonic() - started < 45
+
+
+def test_a_peer_on_node_1_says_from_its_flight_recorder_where_it_waited_for_node_2s_failure(slurm, tmp_path):
+    """Rank 1 raises on node 2 while rank 0 waits in DDP's gradient all-reduce on node 1: node 1's
+    agent asks rank 0 before it stops it, and the caller's note names where it waited."""
+    call = distributed(num_accelerators=2, nodes=2, backend="slurm", accelerator_type="CPU", timeout=CALL_TIMEOUT_S)
+    with pytest.raises(ValueError, match="bad batch") as error:
+        call(ddp_until_rank_1_raises).distributed(str(tmp_path))
+    check_ddp_note(error.value, tmp_path)
 
 
 def test_a_run_directory_a_node_does_not_share_is_named_before_any_rank_starts(slurm, monkeypatch):

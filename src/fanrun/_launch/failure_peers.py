@@ -6,6 +6,7 @@ Python calls, and else from what their flight recorders held when the failure ca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from .._rank import contract
@@ -13,9 +14,10 @@ from ..backends import rank_evidence
 from .stall_report import RankProgress
 
 
-def note(failed_rank: int, world_size: int, directory: Path, since: float | None = None) -> str | None:
+def note(failed_rank: int, world_size: int, directory: Path, asked: Mapping[int, float] | None = None) -> str | None:
     """One sentence naming the peers that waited in a collective or for data; None where none did.
-    `since`: when the peers still running were asked for their collectives; None where they were not."""
+    `asked`: the peers asked for their collectives when the failure came, and when (Ranks.failure_evidence)."""
+    asked = asked or {}
     waiting: dict[str, list[int]] = {}
     for rank in range(world_size):
         if rank == failed_rank:
@@ -25,7 +27,7 @@ def note(failed_rank: int, world_size: int, directory: Path, since: float | None
             waiting.setdefault(f"in {progress.op} #{progress.collectives}", []).append(rank)
         elif progress is not None and progress.state == "data":
             waiting.setdefault("in DataLoader.__next__", []).append(rank)
-        elif since is not None and (where := _recorded_wait(directory / contract.forensics_collectives_name(rank), since)):
+        elif rank in asked and (where := _recorded_wait(directory / contract.forensics_collectives_name(rank), asked[rank])):
             waiting.setdefault(where, []).append(rank)
     if not waiting:
         return None

@@ -36,7 +36,7 @@ def collect(name, ranks, paths, mux, timeout_report: TimeoutReport, timeout, ret
         )
     if reason == _core.StopReason.RANK_FAILED:
         error = _root_cause(ranks.first_failed_rank, ranks, paths, mux)
-        peers = failure_peers.note(ranks.first_failed_rank, world_size, paths.directory, ranks.failure_evidence_since)
+        peers = failure_peers.note(ranks.first_failed_rank, world_size, paths.directory, ranks.failure_evidence)
         if peers is not None:
             error.add_note(peers)
         raise error from error.__cause__

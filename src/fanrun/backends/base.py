@@ -38,9 +38,9 @@ class Ranks(Protocol):
     # On a cluster, by node: its GPUs' verdicts from the health gate its agent ran before any rank
     # started ({"index", "uuid", "name", "problems"}, none where healthy); empty elsewhere.
     gpu_verdicts: dict[int, list[dict]]
-    # When the ranks still running at the first failure were asked for their collectives
-    # (time.time()), before they were stopped; None where they were not.
-    failure_evidence_since: float | None
+    # The ranks asked for their collectives when the first failure came, before they were
+    # stopped: rank -> when (time.time() on the machine where it runs); empty where none was.
+    failure_evidence: dict[int, float]
 
     def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0) -> tuple[list[Event], bool, bool]:
         """(events, interrupted, done): waits at most max_wait_s (no limit below 0). Output may be

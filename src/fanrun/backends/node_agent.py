@@ -27,7 +27,7 @@ from .._rank.contract import (ENV_NODE_ID, ENV_PROGRESS, error_name, forensics_c
 from .._rank.contract import STACK_DUMP_SIGNAL
 from .metric_relay import MetricRelay
 from . import rank_evidence, stack_dump
-from .base import KILL_GRACE_S, STACK_DUMP_WAIT_S
+from .base import FAILURE_EVIDENCE_S, KILL_GRACE_S, STACK_DUMP_WAIT_S
 from .local import KEEPER
 from .rank_env import FORWARDED_PREFIXES, NodeLayout, flatten, rank_environment
 
@@ -86,6 +86,7 @@ class NodeAgent:
         self._progress_read_at = 0.0
         self._collectives_sent: dict[int, bytes] = {}
         self._collectives_asked_at = 0.0
+        self._failure_evidence: dict[int, float] = {}  # the ranks asked before they were stopped, and when
 
     def check_health(self, level: str, gpus: int) -> list[dict]:
         """The cheap health gate on the `gpus` GPUs this node gives its ranks (none: a CPU call),
@@ -141,6 +142,7 @@ class NodeAgent:
             stack_dump_wait_s=STACK_DUMP_WAIT_S,
             wakeup_fd=self._wake_read,
             expect_done=payload is not None,
+            failure_evidence_s=FAILURE_EVIDENCE_S if self._watched else 0.0,
         ))
         threading.Thread(target=self._pump, name="fanrun-node-pump", daemon=True).start()
         return [self._supervisor.pid(local) for local in range(layout.local_world_size)]
@@ -200,7 +202,14 @@ class NodeAgent:
                 if _KILL in commands:
                     supervisor.kill_and_reap()
                 elif _CANCEL in commands:
+                    if supervisor.stop_reason == _core.StopReason.NONE:
+                        # Stopped for a failure on another node (or by the caller): what each rank
+                        # was doing is asked first, as for a failure on this one.
+                        self._ask_for_collectives_now()
                     supervisor.cancel()
+            if supervisor.gathering_failure_evidence:
+                self._ask_for_collectives_now()
+                supervisor.end_failure_evidence()
             # Pickled to the caller (_core.Event pickles), each rank renumbered among the run's.
             global_events = [event.with_rank(event.rank + self._first_rank) if event.rank >= 0 else event
                              for event in events]
@@ -228,6 +237,7 @@ class NodeAgent:
             "first_failed_rank": supervisor.first_failed_rank + first if reason == _core.StopReason.RANK_FAILED else -1,
             "running_at_timeout": [local + first for local in supervisor.ranks_running_at_timeout],
             "exits": {rank: supervisor.exit_status(rank - first) for rank in self._ranks},
+            "failure_evidence": self._failure_evidence,
             "files": {},
         }
         # The markers a rank leaves when what it logged to MLflow was dropped (the call was not
@@ -242,6 +252,18 @@ class NodeAgent:
         self._paths.remove_bulky_files(first + len(self._ranks))
         self._paths.close()
         return ending
+
+    def _ask_for_collectives_now(self) -> None:
+        """This node's ranks still running, but the one whose failure came first, say which
+        collectives they hold open (rank_evidence.collectives_now); sent to the caller with the
+        progress records at the end, for failure_peers.py."""
+        if not self._watched:
+            return
+        supervisor, first = self._supervisor, self._first_rank
+        failed = supervisor.first_failed_rank + first if supervisor.stop_reason == _core.StopReason.RANK_FAILED else -1
+        running = [rank for rank in self._ranks if rank != failed and supervisor.exit_status(rank - first) is None]
+        asked_at = rank_evidence.collectives_now(self._paths.directory, running, FAILURE_EVIDENCE_S)
+        self._failure_evidence.update(dict.fromkeys(running, asked_at))
 
     def _send_progress(self) -> None:
         """Posts the progress records of this node's ranks that changed since they were last sent,

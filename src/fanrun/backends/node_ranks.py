@@ -93,7 +93,7 @@ class NodeRanks:
         self._evidence: dict[int, dict] = {}  # node -> its ranks' answers, once asked
         # node -> its GPUs' verdicts from the health gate its agent ran before the ranks started
         self.gpu_verdicts: dict[int, list[dict]] = {}
-        self.failure_evidence_since: float | None = None  # a node's ranks are stopped at once by their agent
+        self.failure_evidence: dict[int, float] = {}  # as each node's agent asked its ranks
         # Events taken while a stall's evidence was awaited, which the next wait() hands on.
         self._held_events: list = []
 
@@ -235,6 +235,7 @@ class NodeRanks:
         for name, data in ending["files"].items():
             self._paths.write_file(name, data)
         self._exits.update(ending["exits"])
+        self.failure_evidence.update(ending["failure_evidence"])
         self.ranks_running_at_timeout = sorted({*self.ranks_running_at_timeout, *ending["running_at_timeout"]})
         reason = ending["stop_reason"]
         if reason == _core.StopReason.RANK_FAILED:

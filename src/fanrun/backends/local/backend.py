@@ -128,7 +128,7 @@ class LocalRanks:
         self.world_size = supervisor.world_size
         self.failure = None  # every end of a local run is a rank's
         self.gpu_verdicts: dict[int, list[dict]] = {}  # the call path's gate judged this machine's GPUs
-        self.failure_evidence_since: float | None = None
+        self.failure_evidence: dict[int, float] = {}
 
     def wait(self, max_wait_s: float = -1.0, gather_s: float = 0.0):
         news = self._supervisor.wait(max_wait_s, gather_s)
@@ -137,7 +137,8 @@ class LocalRanks:
             # it waits (failure_peers.py reads it) before they are stopped.
             failed = self._supervisor.first_failed_rank
             running = [rank for rank in range(self.world_size) if rank != failed and self.exit_status(rank) is None]
-            self.failure_evidence_since = rank_evidence.collectives_now(self._directory, running, FAILURE_EVIDENCE_S)
+            asked_at = rank_evidence.collectives_now(self._directory, running, FAILURE_EVIDENCE_S)
+            self.failure_evidence = dict.fromkeys(running, asked_at)
             self._supervisor.end_failure_evidence()
         return news
 
