@@ -38,8 +38,9 @@ def ddp_until_rank_1_raises(out_dir: str):
 
 
 def check_ddp_note(error: BaseException, out_dir: Path) -> None:
-    """The note names rank 0 as waiting in the all-reduce that its recorder started at step 5."""
+    """The note names rank 0 as waiting in the all-reduce that its recorder started at step 5, by
+    its sequence number in the default group (named "0" by the recorder)."""
     seq = (out_dir / "next_seq").read_text()
     notes = getattr(error, "__notes__", [])
-    assert f"fanrun: when rank 1 failed, rank 0 was waiting in all_reduce #{seq}: their errors follow from its failure." \
-        in notes, notes
+    assert (f"fanrun: when rank 1 failed, rank 0 was waiting in all_reduce #{seq} of group 0: their errors follow "
+            "from its failure.") in notes, notes

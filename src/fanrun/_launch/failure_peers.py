@@ -12,6 +12,7 @@ from pathlib import Path
 from .._rank import contract
 from ..backends import rank_evidence
 from .stall_report import RankProgress
+from .verdict import flight_recorder_entries, flight_recorder_op, group_label
 
 
 def note(failed_rank: int, world_size: int, directory: Path, asked: Mapping[int, float] | None = None) -> str | None:
@@ -27,7 +28,8 @@ def note(failed_rank: int, world_size: int, directory: Path, asked: Mapping[int,
             waiting.setdefault(f"in {progress.op} #{progress.collectives}", []).append(rank)
         elif progress is not None and progress.state == "data":
             waiting.setdefault("in DataLoader.__next__", []).append(rank)
-        elif rank in asked and (where := _recorded_wait(directory / contract.forensics_collectives_name(rank), asked[rank])):
+        elif rank in asked and (where := _recorded_wait(directory / contract.forensics_collectives_name(rank),
+                                                        asked[rank])):
             waiting.setdefault(where, []).append(rank)
     if not waiting:
         return None
@@ -36,19 +38,18 @@ def note(failed_rank: int, world_size: int, directory: Path, asked: Mapping[int,
 
 
 def _recorded_wait(path: Path, since: float) -> str | None:
-    """`in all_reduce #57`: the newest collective a rank's flight recorder held unfinished (not
-    retired) when it answered at `since` or later; None where it held none, or gave no such answer."""
+    """`in all_reduce #57 of group 0`, labelled as the stall verdict labels it: the newest
+    collective a rank's flight recorder held unfinished (not retired) when it answered at `since`
+    or later; None where it held none, or gave no such answer."""
     answer = rank_evidence.collectives(path)
     if answer is None or answer[0] < since - 1e-3:
         return None
-    pending = [entry for entry in answer[1] if entry.get("retired") is False and isinstance(entry.get("op"), str)
-               and isinstance(entry.get("seq"), int)]
+    pending = [(key, entry) for key, entry in flight_recorder_entries(answer[1]).items()
+               if entry.get("retired") is False]
     if not pending:
         return None
-    entry = pending[-1]
-    group = str(entry.get("group"))
-    label = f"#{entry['seq']}" if group in ("default_pg", "None", "0") else f"#{entry['seq']} of group {group}"
-    return f"in {entry['op'].split(':')[-1]} {label}"
+    (group, seq), entry = pending[-1]
+    return f"in {flight_recorder_op(entry)} {group_label(group, seq)}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import re
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .stall_report import RankEvidence, Verdict
 
@@ -161,12 +161,12 @@ def _mismatch(ranks: list[RankEvidence]) -> Verdict | None:
     return None
 
 
-def _flight_recorder_entries(evidence: RankEvidence) -> dict[tuple[str, int], dict]:
+def flight_recorder_entries(collectives: Iterable[dict] | None) -> dict[tuple[str, int], dict]:
     """A rank's flight-recorder collectives by (group, seq). Left out: point-to-point ones, which
     take no collective sequence number of their own, and those of groups described as
     "undefined", torch's description of every unnamed group, which tells them not apart."""
     entries = {}
-    for entry in evidence.collectives or ():
+    for entry in collectives or ():
         op, seq, group = entry.get("op"), entry.get("seq"), str(entry.get("group"))
         if (isinstance(op, str) and isinstance(seq, int) and "send" not in op and "recv" not in op
                 and group != "undefined"):
@@ -174,11 +174,11 @@ def _flight_recorder_entries(evidence: RankEvidence) -> dict[tuple[str, int], di
     return entries
 
 
-def _flight_recorder_op(entry: dict) -> str:
+def flight_recorder_op(entry: dict) -> str:
     return entry["op"].split(":")[-1]  # "nccl:all_reduce": the op, without its backend
 
 
-def _group_label(group: str, seq: int) -> str:
+def group_label(group: str, seq: int) -> str:
     return f"#{seq}" if group in ("default_pg", "None") else f"#{seq} of group {group}"
 
 
@@ -186,11 +186,11 @@ def _flight_recorder_mismatch(ranks: list[RankEvidence]) -> Verdict | None:
     """Ranks whose flight recorders hold different operations at the same seq of the same group."""
     ops: dict[tuple[str, int], dict[str, list[int]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for r in ranks:
-        for key, entry in _flight_recorder_entries(r).items():
-            ops[key][_flight_recorder_op(entry)].append(r.rank)
+        for key, entry in flight_recorder_entries(r.collectives).items():
+            ops[key][flight_recorder_op(entry)].append(r.rank)
     for (group, seq), by_op in sorted(ops.items()):
         if len(by_op) > 1:
-            return _mismatch_verdict(f"collective mismatch at {_group_label(group, seq)}", by_op)
+            return _mismatch_verdict(f"collective mismatch at {group_label(group, seq)}", by_op)
     return None
 
 
@@ -198,7 +198,8 @@ def _flight_recorder_waits(ranks: list[RankEvidence], now: float) -> _Waits | No
     """The running ranks in a group's latest collective by their flight recorders: where a rank of
     the group never started it, it cannot have completed, whatever the state says (gloo's stay
     "scheduled"); where every rank did, only an entry that says "started" waits."""
-    recorded = {r.rank: _flight_recorder_entries(r) for r in ranks if r.running and r.collectives is not None}
+    recorded = {r.rank: flight_recorder_entries(r.collectives)
+                for r in ranks if r.running and r.collectives is not None}
     for group in sorted({group for entries in recorded.values() for group, _ in entries}):
         last = {rank: max(seq for g, seq in entries if g == group)
                 for rank, entries in recorded.items() if any(g == group for g, _ in entries)}
@@ -212,9 +213,9 @@ def _flight_recorder_waits(ranks: list[RankEvidence], now: float) -> _Waits | No
                  for entry in waiting.values()]
 
         def missed(evidence: RankEvidence, group=group, seq=seq, last=last) -> str | None:
-            return f"collective {_group_label(group, seq)}" if last.get(evidence.rank, seq) < seq else None
+            return f"collective {group_label(group, seq)}" if last.get(evidence.rank, seq) < seq else None
 
-        return _waits(ranks, {rank: (_flight_recorder_op(entry), _group_label(group, seq))
+        return _waits(ranks, {rank: (flight_recorder_op(entry), group_label(group, seq))
                               for rank, entry in waiting.items()}, since, missed)
     return None
 
