@@ -37,7 +37,7 @@ struct Report {
   ReportKind kind;
   int32_t value;
   int32_t signal;
-  int32_t unused;
+  int32_t unused;  // ended_ns aligned without padding bytes of no value
   // kEnded: when the keeper reaped the program, in nanoseconds of CLOCK_MONOTONIC (the owner's
   // std::chrono::steady_clock).
   int64_t ended_ns;

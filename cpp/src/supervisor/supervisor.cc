@@ -402,10 +402,7 @@ void Supervisor::HandleDeadlines(Clock::time_point now, std::vector<Event>& even
     }
   }
   if (dump_done_at_ && now >= *dump_done_at_) Terminate(now);
-  if (evidence_until_ && now >= *evidence_until_) {
-    evidence_until_.reset();
-    StopAfterFailure(now);
-  }
+  if (evidence_until_ && now >= *evidence_until_) EndFailureEvidence();
   if (abandon_until_ && now >= *abandon_until_) {  // the ranks not kept by now are stopped
     abandon_until_.reset();
     Terminate(now);

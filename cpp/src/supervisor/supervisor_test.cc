@@ -9,6 +9,8 @@
 #include <chrono>
 #include <map>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "supervisor/supervisor_test_fixture_internal.h"
 
@@ -25,6 +27,14 @@ using SupervisorTest = testing::SupervisorFixture;
 void WaitForTheFirstFailure(Supervisor& supervisor) {
   while (supervisor.stop_reason() == StopReason::kNone) ASSERT_TRUE(supervisor.Wait().ok());
 }
+
+// Rank 0 fails at 0.2 s; rank 1, deaf to SIGTERM, is killed from outside (SIGKILL) at `seconds`.
+std::vector<std::string> FailureThenAKillFromOutsideAt(const std::string& seconds) {
+  return {"sleep 0.2; exit 1", "trap '' TERM; sleep " + seconds + "; kill -KILL $$; sleep 100"};
+}
+
+// Rank 0 fails at 0.2 s while rank 1 sleeps on: a peer to ask for evidence.
+std::vector<std::string> FailureBesideASleeper() { return {"sleep 0.2; exit 1", "exec sleep 100"}; }
 
 TEST_F(SupervisorTest, EveryRankRunsAndItsOutputArrivesLabelledAndLogged) {
   auto supervisor = Supervisor::Start(Options({"echo out$RANK; echo err$RANK >&2", "echo out$RANK; echo err$RANK >&2"}));
@@ -66,7 +76,7 @@ TEST_F(SupervisorTest, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
 TEST_F(SupervisorTest, ARankKilledFromOutsideJustAfterAPeersFailureIsTheRootCause) {
   // Rank 0 stands for a peer whose collective failed because rank 1 died: its report can come
   // first, since rank 1's death reaches the supervisor through its keeper.
-  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 0.4; kill -KILL $$; sleep 100"});
+  auto options = Options(FailureThenAKillFromOutsideAt("0.4"));
   options.kill_grace_s = 3;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
@@ -79,7 +89,7 @@ TEST_F(SupervisorTest, ARankKilledFromOutsideWhoseDeathIsReadLateIsStillTheRootC
   // The supervisor reads rank 1's death only after its grace period is over and it has sent its
   // own SIGKILL (a caller slow to pump, a keeper slow to report): the death came before that
   // SIGKILL, so it is not the supervisor's, and it came just after rank 0's failure.
-  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 0.4; kill -KILL $$; sleep 100"});
+  auto options = Options(FailureThenAKillFromOutsideAt("0.4"));
   options.kill_grace_s = 0.5;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
@@ -92,7 +102,7 @@ TEST_F(SupervisorTest, ARankKilledFromOutsideWhoseDeathIsReadLateIsStillTheRootC
 }
 
 TEST_F(SupervisorTest, ARankKilledFromOutsideLongAfterTheFirstFailureIsNotTheRootCause) {
-  auto options = Options({"sleep 0.2; exit 1", "trap '' TERM; sleep 2.7; kill -KILL $$; sleep 100"});
+  auto options = Options(FailureThenAKillFromOutsideAt("2.7"));
   options.kill_grace_s = 4;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
@@ -102,7 +112,7 @@ TEST_F(SupervisorTest, ARankKilledFromOutsideLongAfterTheFirstFailureIsNotTheRoo
 }
 
 TEST_F(SupervisorTest, AfterTheFirstFailureTheOthersAreLeftRunningUntilTheEvidenceIsIn) {
-  auto options = Options({"sleep 0.2; exit 1", "exec sleep 100"});
+  auto options = Options(FailureBesideASleeper());
   options.failure_evidence_s = 30;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
@@ -123,7 +133,7 @@ TEST_F(SupervisorTest, AfterTheFirstFailureTheOthersAreLeftRunningUntilTheEviden
 }
 
 TEST_F(SupervisorTest, TheOthersAreStoppedWhenTheEvidenceTimeIsOverWhateverTheCallerDoes) {
-  auto options = Options({"sleep 0.2; exit 1", "exec sleep 100"});
+  auto options = Options(FailureBesideASleeper());
   options.failure_evidence_s = 0.4;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());
@@ -147,7 +157,7 @@ TEST_F(SupervisorTest, WithNoOtherRankRunningThereIsNoEvidenceToWaitFor) {
 }
 
 TEST_F(SupervisorTest, CancelDuringTheEvidenceTimeStopsEveryRank) {
-  auto options = Options({"sleep 0.2; exit 1", "exec sleep 100"});
+  auto options = Options(FailureBesideASleeper());
   options.failure_evidence_s = 30;
   auto supervisor = Supervisor::Start(options);
   ASSERT_TRUE(supervisor.ok());

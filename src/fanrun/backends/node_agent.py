@@ -262,8 +262,7 @@ class NodeAgent:
         supervisor, first = self._supervisor, self._first_rank
         failed = supervisor.first_failed_rank + first if supervisor.stop_reason == _core.StopReason.RANK_FAILED else -1
         running = [rank for rank in self._ranks if rank != failed and supervisor.exit_status(rank - first) is None]
-        asked_at = rank_evidence.collectives_now(self._paths.directory, running, FAILURE_EVIDENCE_S)
-        self._failure_evidence.update(dict.fromkeys(running, asked_at))
+        self._failure_evidence.update(rank_evidence.collectives_now(self._paths.directory, running, FAILURE_EVIDENCE_S))
 
     def _send_progress(self) -> None:
         """Posts the progress records of this node's ranks that changed since they were last sent,

@@ -87,20 +87,22 @@ def ask_for_collectives(directory: Path, ranks: Iterable[int]) -> None:
         _ask(directory / contract.forensics_ask_name(rank), contract.FORENSICS_ASK_COLLECTIVES)
 
 
-def collectives_now(directory: Path, ranks: Iterable[int], within_s: float) -> float:
+def collectives_now(directory: Path, ranks: Iterable[int], within_s: float) -> dict[int, float]:
     """Asks each of `ranks` for its flight recorder's collectives and waits, `within_s` at most,
-    for every rank asked to answer (one whose main thread holds the GIL cannot); returns when
-    they were asked (time.time()), so that collectives() tells their answers from older ones."""
+    for every rank asked to answer (one whose main thread holds the GIL cannot); returns the ranks
+    asked (those with a forensics thread) and when (time.time()), so that collectives() tells their
+    answers from older ones."""
     asked_at = time.time()
     paths = {rank: directory / contract.forensics_collectives_name(rank) for rank in ranks}
     deadline = time.monotonic() + within_s
     with FileChanges([], [str(directory)]) as changes:
-        waiting = [rank for rank in paths if _ask(directory / contract.forensics_ask_name(rank),
-                                                  contract.FORENSICS_ASK_COLLECTIVES)]
+        asked = [rank for rank in paths if _ask(directory / contract.forensics_ask_name(rank),
+                                                contract.FORENSICS_ASK_COLLECTIVES)]
+        waiting = asked
         while waiting and (left := deadline - time.monotonic()) > 0:
             changes.wait(left)
             waiting = [rank for rank in waiting if _fresh_answer(paths[rank], asked_at) is None]
-    return asked_at
+    return dict.fromkeys(asked, asked_at)
 
 
 def collectives(path: Path) -> tuple[float, list[dict]] | None:

@@ -137,8 +137,7 @@ class LocalRanks:
             # it waits (failure_peers.py reads it) before they are stopped.
             failed = self._supervisor.first_failed_rank
             running = [rank for rank in range(self.world_size) if rank != failed and self.exit_status(rank) is None]
-            asked_at = rank_evidence.collectives_now(self._directory, running, FAILURE_EVIDENCE_S)
-            self.failure_evidence = dict.fromkeys(running, asked_at)
+            self.failure_evidence = rank_evidence.collectives_now(self._directory, running, FAILURE_EVIDENCE_S)
             self._supervisor.end_failure_evidence()
         return news
 
